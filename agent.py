@@ -1,0 +1,222 @@
+"""The agent contract: what a user writes, and how it becomes token-exact training data.
+
+A user writes ordinary Python:
+
+    class MyEnv(Env):                      # the framework runs the LLM loop
+        async def step(self, state):       # state.action = the model's reply text
+            return Result(reward=float(state.action == state.label))
+
+`run_env` renders the first prompt with the model's chat template, tokenizes
+it once, asks the engine for a completion as token ids, calls `step`, appends
+the observation as non-trainable tokens rendered by the same template, and
+repeats until the episode ends. It returns a `Trajectory`: the token ids the
+engine actually saw and sampled, a mask of the policy's own tokens, their
+sampling logprobs and policy versions, and the reward. The sampled text is
+decoded for the agent to read; it is never encoded again.
+
+Agents are loaded from a file with `load_agent(path)`; prompts come from the
+agent's `prompts(seed)` or from a `--dataset` file (`read_dataset`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Iterator
+
+
+@dataclass
+class Result:
+    """What an agent returns for one step (Env) or one episode (ChatAgent)."""
+    reward: float
+    observation: str | None = None   # text shown to the model next turn (Env)
+    terminated: bool = True          # the episode is over
+    truncated: bool = False          # cut short (budget, turn limit)
+    info: dict = field(default_factory=dict)   # scalar diagnostics, logged as means
+    score: float | None = None       # for dashboards/filtering; defaults to reward
+    sampling_params: dict | None = None        # override for the next turn
+
+
+@dataclass
+class State:
+    """What `Env.step` sees."""
+    prompt: Any                      # the dataset row's prompt (text or messages)
+    label: Any                       # the dataset row's label (anything)
+    action: str                      # the model's reply this turn, decoded
+    observation: str | None          # the last observation shown (None on turn 0)
+    messages: list[dict]             # the conversation so far, reply included
+    turn: int
+    sampling_params: dict
+    row: dict                        # the whole dataset row
+
+
+class Env:
+    """Subclass and implement `step`. One instance per rollout."""
+    max_turns: int = 1
+
+    @classmethod
+    def prompts(cls, seed: int) -> Iterator[dict]:
+        """Built-in prompt source: an endless iterator of rows {"prompt", "label"}."""
+        raise ValueError(f"{cls.__name__} has no built-in prompts: pass --dataset FILE.jsonl")
+
+    async def reset(self, row: dict) -> None:
+        """Called once before the first turn."""
+
+    async def step(self, state: State) -> Result:
+        raise NotImplementedError
+
+
+@dataclass
+class Trajectory:
+    """One rollout (or one segment of it), token-exact. Lists have equal length."""
+    tokens: list[int]                # prompt + every turn, exactly as the engine saw them
+    mask: list[int]                  # 1 on tokens the policy sampled
+    logprobs: list[float]            # sampling logprob where mask is 1, else 0
+    versions: list[int]              # policy version that sampled it, -1 where mask is 0
+    reward: float
+    group: int = 0                   # rollouts of the same prompt share it
+    rollout_id: int = 0              # segments of one rollout share it
+    score: float = 0.0
+    info: dict = field(default_factory=dict)
+
+    def add(self, ids: list[int], sampled: bool, logprobs: list[float] | None = None,
+            version: int = -1):
+        self.tokens += ids
+        self.mask += [int(sampled)] * len(ids)
+        self.logprobs += list(logprobs) if sampled else [0.0] * len(ids)
+        self.versions += [version if sampled else -1] * len(ids)
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(self.mask)
+
+
+Generate = Callable[[list[int], dict], Awaitable[dict]]
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                         tokenize=False)
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    # The template already wrote every special token; add none of our own.
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _messages(prompt: Any) -> list[dict]:
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt):
+        return [dict(m) for m in prompt]
+    raise ValueError(f"a prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+
+
+def observation_ids(tokenizer, messages: list[dict], reply_ids: list[int],
+                    observation: str, role: str = "user") -> list[int]:
+    """Token ids that follow the sampled reply when `observation` comes next.
+
+    `messages` ends with the assistant reply. The ids are the template's text
+    after the reply (its end-of-turn, if the model did not sample it), the new
+    message and the next generation prompt; the reply itself is not re-encoded."""
+    before = _render(tokenizer, messages[:-1], add_generation_prompt=True)
+    closed = _render(tokenizer, messages, add_generation_prompt=False)
+    reply = messages[-1]["content"]
+    if not closed.startswith(before + reply):
+        raise ValueError("the chat template rewrites earlier turns; Env traces need a "
+                         "template that only appends (use a ChatAgent to get segments)")
+    tail = closed[len(before) + len(reply):]            # e.g. "<|im_end|>\n"
+    eos = tokenizer.eos_token
+    if reply_ids and reply_ids[-1] == tokenizer.eos_token_id and eos and tail.startswith(eos):
+        tail = tail[len(eos):]                           # the model sampled it already
+    full = _render(tokenizer, messages + [{"role": role, "content": observation}],
+                   add_generation_prompt=True)
+    if not full.startswith(closed):
+        raise ValueError("the chat template does not extend the conversation by appending")
+    return _encode(tokenizer, tail + full[len(closed):])
+
+
+async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
+                  sampling: dict, max_len: int, max_turns: int | None = None) -> Trajectory:
+    """Run one episode of `env` on `row`; returns its token-exact trajectory."""
+    messages = _messages(row["prompt"])
+    await env.reset(row)
+    traj = Trajectory(tokens=[], mask=[], logprobs=[], versions=[], reward=0.0)
+    traj.add(_encode(tokenizer, _render(tokenizer, messages, add_generation_prompt=True)), False)
+    turns = max_turns or env.max_turns
+    params = dict(sampling)
+    observation, scores, info = None, [], {}
+    for turn in range(turns):
+        budget = max_len - len(traj.tokens)
+        if budget <= 0:
+            traj.info["truncated"] = 1.0
+            break
+        out = await generate(traj.tokens, {**params, "max_tokens": min(params["max_tokens"], budget)})
+        traj.add(out["token_ids"], True, out["logprobs"], out["version"])
+        action = tokenizer.decode(out["token_ids"], skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": action})
+        result = await env.step(State(prompt=row["prompt"], label=row.get("label"), action=action,
+                                      observation=observation, messages=messages, turn=turn,
+                                      sampling_params=params, row=row))
+        reward = float(result.reward)
+        if not math.isfinite(reward):
+            raise ValueError(f"agent returned a non-finite reward {result.reward!r}")
+        traj.reward += reward
+        scores.append(reward if result.score is None else float(result.score))
+        info.update(result.info)
+        if result.terminated or result.truncated or turn == turns - 1:
+            break
+        observation = result.observation or ""
+        obs_ids = observation_ids(tokenizer, messages, out["token_ids"], observation)
+        if len(traj.tokens) + len(obs_ids) >= max_len:
+            traj.info["truncated"] = 1.0
+            break
+        traj.add(obs_ids, False)
+        messages.append({"role": "user", "content": observation})
+        params = {**params, **(result.sampling_params or {})}
+    traj.score = sum(scores)
+    traj.info.update({k: float(v) for k, v in info.items()})
+    traj.info["turns"] = float(len(scores))
+    return traj
+
+
+def load_agent(path: str) -> type:
+    """Load the one Env subclass defined in the Python file at `path`."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"--agent {path}: no such file")
+    spec = importlib.util.spec_from_file_location(f"molt_agent_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    found = [obj for obj in vars(module).values()
+             if inspect.isclass(obj) and issubclass(obj, Env) and obj is not Env
+             and obj.__module__ == module.__name__]
+    if len(found) != 1:
+        names = ", ".join(c.__name__ for c in found) or "none"
+        raise ValueError(f"--agent {path}: expected exactly one Env subclass defined in the file, found {names}")
+    return found[0]
+
+
+def read_dataset(path: str, input_key: str = "prompt", label_key: str = "label") -> list[dict]:
+    """Rows of a JSONL file as {"prompt", "label", ...}; errors name the line."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"--dataset {path}: no such file")
+    rows = []
+    for n, line in enumerate(file.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict) or input_key not in row:
+            raise ValueError(f"{path}:{n}: missing field {input_key!r}")
+        rows.append({**row, "prompt": row[input_key], "label": row.get(label_key)})
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    return rows

@@ -1,0 +1,208 @@
+"""Advantage estimators: one scalar reward per row -> per-token advantages and returns.
+
+Every estimator has the same signature
+
+    advantages, returns = fn(rewards, mask, groups, *, kl=None, values=None,
+                             gamma=1.0, lam=1.0, kl_coef=0.0, rollout_ids=None)
+
+rewards [B]; mask [B, T] (1 on the policy's own action tokens, gaps allowed for
+multi-turn observations); groups [B] (rows of one prompt share an id);
+rollout_ids [B] or None (segments of one rollout share an id and a reward, and
+group baselines count each rollout once); kl [B, T] = log pi - log pi_ref;
+values [B, T] critic values. Both outputs are float32 [B, T], zero off the mask.
+Token-level recursions (discounting, GAE) run per row over action tokens only:
+non-action tokens are transparent. A segment is treated as its own trajectory
+whose reward sits on its last action token.
+
+Test: python -m pytest -q tests/test_estimators.py
+"""
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+OptT = Optional[Tensor]
+Pair = tuple[Tensor, Tensor]  # (advantages [B, T], returns [B, T])
+Estimator = Callable[..., Pair]
+
+
+def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """(x - mean) / std over entries where mask == 1 (population std); 0 elsewhere."""
+    m = mask.bool()
+    n = m.sum().clamp(min=1)
+    mean = torch.where(m, x, 0).sum() / n
+    var = torch.where(m, (x - mean) ** 2, 0).sum() / n
+    return torch.where(m, (x - mean) * torch.rsqrt(var + eps), 0)
+
+
+def group_stats(rewards: Tensor, groups: Tensor, rollout_ids: OptT = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Per row: (mean, population std, count) of its group, counting each rollout once."""
+    rewards = rewards.float()
+    if rollout_ids is None:
+        r, g, inv = rewards, groups, torch.arange(len(rewards), device=rewards.device)
+    else:
+        # A rollout is (group, rollout id), so ids only need to be unique within a group.
+        keys, inv = torch.unique(torch.stack([groups, rollout_ids], 1), dim=0, return_inverse=True)
+        r = torch.zeros(len(keys), device=rewards.device).scatter_(0, inv, rewards)  # [R]
+        g = keys[:, 0]
+        if not torch.allclose(r[inv], rewards):
+            raise ValueError("rows sharing a rollout id (within a group) must share the same reward")
+    _, gi = torch.unique(g, return_inverse=True)  # [R] dense group index
+    n = torch.bincount(gi).float()  # [G]
+    mean = torch.zeros_like(n).index_add_(0, gi, r) / n
+    var = torch.zeros_like(n).index_add_(0, gi, (r - mean[gi]) ** 2) / n
+    return mean[gi][inv], var.sqrt()[gi][inv], n[gi][inv]
+
+
+def _last_action(mask: Tensor) -> Tensor:
+    """[B, T] one-hot of each row's last action token (all zero for rows without one)."""
+    m = mask.bool()
+    last = m.shape[1] - 1 - m.flip(1).int().argmax(1)  # [B]
+    onehot = torch.zeros(m.shape, device=m.device).scatter_(1, last[:, None], 1.0)
+    return onehot * m.any(1, keepdim=True)
+
+
+def _token_rewards(name: str, seq_reward: Tensor, mask: Tensor, kl: OptT, kl_coef: float) -> Tensor:
+    """Sequence reward on the last action token plus -kl_coef * kl on every action token. [B, T]"""
+    if kl_coef != 0.0 and kl is None:
+        raise ValueError(f"{name}: kl_coef={kl_coef} needs kl (log pi - log pi_ref), got kl=None")
+    r = seq_reward.float()[:, None] * _last_action(mask)
+    if kl_coef != 0.0:
+        r = r - kl_coef * torch.where(mask.bool(), kl.float(), 0)
+    return r
+
+
+def _discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """G_t = r_t + gamma * G_next over action tokens; other tokens carry G unchanged."""
+    m = mask.bool()
+    r = torch.where(m, token_rewards, 0)
+    if gamma == 1.0:  # plain reverse cumsum, no Python loop
+        return torch.where(m, r.flip(1).cumsum(1).flip(1), 0)
+    out, run = torch.zeros_like(r), torch.zeros_like(r[:, 0])
+    for t in reversed(range(r.shape[1])):
+        run = torch.where(m[:, t], r[:, t] + gamma * run, run)
+        out[:, t] = run
+    return torch.where(m, out, 0)
+
+
+def _broadcast(per_row: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    adv = torch.where(mask.bool(), per_row.float()[:, None], 0)  # [B, T]
+    return adv, adv.clone()
+
+
+def _no_kl(name: str, kl_coef: float) -> None:
+    # Group estimators put KL in the loss, not the reward; refuse rather than silently drop it.
+    if kl_coef != 0.0:
+        raise ValueError(f"{name} does not support KL-in-reward (kl_coef={kl_coef}); use a KL loss term instead")
+
+
+def reinforce(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: OptT = None, values: OptT = None,
+              gamma: float = 1.0, lam: float = 1.0, kl_coef: float = 0.0, rollout_ids: OptT = None) -> Pair:
+    """Discounted return of reward (+ KL-in-reward), no baseline; advantages = returns."""
+    ret = _discounted_returns(_token_rewards("reinforce", rewards, mask, kl, kl_coef), mask, gamma)
+    return ret, ret.clone()
+
+
+def reinforce_pp(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: OptT = None, values: OptT = None,
+                 gamma: float = 1.0, lam: float = 1.0, kl_coef: float = 0.0, rollout_ids: OptT = None) -> Pair:
+    """REINFORCE++: discounted return of reward + KL-in-reward, whitened over the batch's action tokens."""
+    ret = _discounted_returns(_token_rewards("reinforce_pp", rewards, mask, kl, kl_coef), mask, gamma)
+    return whiten(ret, mask), ret
+
+
+def reinforce_pp_baseline(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: OptT = None, values: OptT = None,
+                          gamma: float = 1.0, lam: float = 1.0, kl_coef: float = 0.0, rollout_ids: OptT = None) -> Pair:
+    """REINFORCE++ with the group mean (per rollout) subtracted from the reward before returns and whitening."""
+    mean, _, _ = group_stats(rewards, groups, rollout_ids)
+    r = _token_rewards("reinforce_pp_baseline", rewards.float() - mean, mask, kl, kl_coef)  # [B, T]
+    ret = _discounted_returns(r, mask, gamma)
+    return whiten(ret, mask), ret
+
+
+def rloo(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: OptT = None, values: OptT = None,
+         gamma: float = 1.0, lam: float = 1.0, kl_coef: float = 0.0, rollout_ids: OptT = None) -> Pair:
+    """Reward minus the mean of the other rollouts of its group; 0 for a group of one rollout."""
+    _no_kl("rloo", kl_coef)
+    mean, _, n = group_stats(rewards, groups, rollout_ids)
+    # r - (n*mean - r)/(n-1) == n/(n-1) * (r - mean)
+    adv = torch.where(n > 1, n / (n - 1).clamp(min=1) * (rewards.float() - mean), 0)
+    return _broadcast(adv, mask)
+
+
+def grpo(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: OptT = None, values: OptT = None,
+         gamma: float = 1.0, lam: float = 1.0, kl_coef: float = 0.0, rollout_ids: OptT = None) -> Pair:
+    """(reward - group mean) / (group std + 1e-6), population std (unbiased=False), per rollout."""
+    _no_kl("grpo", kl_coef)
+    mean, std, _ = group_stats(rewards, groups, rollout_ids)
+    return _broadcast((rewards.float() - mean) / (std + 1e-6), mask)
+
+
+def dr_grpo(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: OptT = None, values: OptT = None,
+            gamma: float = 1.0, lam: float = 1.0, kl_coef: float = 0.0, rollout_ids: OptT = None) -> Pair:
+    """Dr. GRPO: reward - group mean (per rollout), no std normalisation."""
+    _no_kl("dr_grpo", kl_coef)
+    mean, _, _ = group_stats(rewards, groups, rollout_ids)
+    return _broadcast(rewards.float() - mean, mask)
+
+
+def gae(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: OptT = None, values: OptT = None,
+        gamma: float = 1.0, lam: float = 1.0, kl_coef: float = 0.0, rollout_ids: OptT = None) -> Pair:
+    """GAE(gamma, lam) over action tokens only, V after the last action = 0; returns = A + V. No whitening."""
+    if values is None:
+        raise ValueError("gae needs critic values, got values=None")
+    m = mask.bool()
+    r = _token_rewards("gae", rewards, mask, kl, kl_coef)  # [B, T]
+    v = torch.where(m, values.float(), 0)  # [B, T]
+    adv = torch.zeros_like(r)
+    next_v, next_a = torch.zeros_like(r[:, 0]), torch.zeros_like(r[:, 0])  # [B]
+    for t in reversed(range(r.shape[1])):
+        # Non-action tokens keep next_v / next_a, so the recursion skips observations.
+        a = r[:, t] + gamma * next_v - v[:, t] + gamma * lam * next_a
+        next_a = torch.where(m[:, t], a, next_a)
+        next_v = torch.where(m[:, t], v[:, t], next_v)
+        adv[:, t] = next_a
+    adv = torch.where(m, adv, 0)
+    return adv, torch.where(m, adv + v, 0)
+
+
+def on_policy_distill(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: OptT = None, values: OptT = None,
+                      gamma: float = 1.0, lam: float = 1.0, kl_coef: float = 0.0, rollout_ids: OptT = None) -> Pair:
+    """Per-token advantage -kl_coef * (log pi_student - log pi_teacher); reward ignored."""
+    if kl is None:
+        raise ValueError("on_policy_distill needs kl = student - teacher logprobs, got kl=None")
+    if kl_coef <= 0.0:
+        raise ValueError(f"on_policy_distill needs kl_coef > 0 (got {kl_coef}); advantages would be all zero")
+    adv = torch.where(mask.bool(), -kl_coef * kl.float(), 0)
+    return adv, adv.clone()
+
+
+ESTIMATORS: dict[str, Estimator] = {
+    "reinforce": reinforce,
+    "reinforce_pp": reinforce_pp,
+    "reinforce_pp_baseline": reinforce_pp_baseline,
+    "rloo": rloo,
+    "grpo": grpo,
+    "dr_grpo": dr_grpo,
+    "gae": gae,
+    "on_policy_distill": on_policy_distill,
+}
+GROUP_ESTIMATORS: set[str] = {"reinforce_pp_baseline", "rloo", "grpo", "dr_grpo"}
+
+
+def compute_advantages(name: str, rewards: Tensor, mask: Tensor, groups: Tensor, **kw) -> Pair:
+    """Look up `name` in ESTIMATORS, check shapes and arguments, and run it."""
+    if name not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; choices: {sorted(ESTIMATORS)}")
+    B = mask.shape[0]
+    if mask.dim() != 2 or rewards.shape != (B,) or groups.shape != (B,):
+        raise ValueError(f"{name}: want rewards [B], mask [B, T], groups [B]; got "
+                         f"{tuple(rewards.shape)}, {tuple(mask.shape)}, {tuple(groups.shape)}")
+    for key in ("kl", "values"):
+        if kw.get(key) is not None and kw[key].shape != mask.shape:
+            raise ValueError(f"{name}: {key} must be [B, T] = {tuple(mask.shape)}, got {tuple(kw[key].shape)}")
+    if kw.get("rollout_ids") is not None and kw["rollout_ids"].shape != (B,):
+        raise ValueError(f"{name}: rollout_ids must be [B], got {tuple(kw['rollout_ids'].shape)}")
+    if not (0.0 <= kw.get("gamma", 1.0) <= 1.0 and 0.0 <= kw.get("lam", 1.0) <= 1.0):
+        raise ValueError(f"{name}: gamma and lam must be in [0, 1], got {kw.get('gamma')}, {kw.get('lam')}")
+    return ESTIMATORS[name](rewards, mask, groups, **kw)

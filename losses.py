@@ -1,0 +1,210 @@
+"""Per-token RL losses and their pieces: policy losses (PPO / GSPO / CISPO), loss
+aggregation that is invariant to micro-batching and data parallelism, train/rollout
+importance-sampling correction, KL estimators, entropy, clipped value loss and
+token log-probabilities from logits.
+
+Conventions: tensors are [B, T] with `mask` 1 on the policy's action tokens;
+per-token outputs are exactly 0 (value and gradient) where mask == 0. Log-ratios
+are clamped to [-MAX_LOG_RATIO, MAX_LOG_RATIO] before exp. Metrics are detached
+0-dim tensors (masked means over action tokens).
+
+Test: python -m pytest -q tests/test_losses.py
+"""
+
+import math
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+IS_LEVELS = ("off", "token", "seq", "geo")
+IS_MODES = ("mask", "clip", "trunc")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+MAX_LOG_RATIO = 20.0
+
+Count = Union[int, float, Tensor, None]
+
+
+def _mean(x: Tensor, m: Tensor) -> Tensor:
+    """Detached mean of x over m (bool) entries; 0 when m is empty."""
+    return (torch.where(m, x.detach().float(), 0).sum() / m.sum().clamp(min=1)).detach()
+
+
+def _count(n: Count, like: Tensor) -> Tensor:
+    # float32 even for bf16 losses: bf16 cannot represent large token counts exactly.
+    return torch.as_tensor(n, dtype=torch.float32, device=like.device).clamp(min=1)
+
+
+def policy_loss(kind: str, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
+                eps_low: float = 0.2, eps_high: float = 0.2,
+                dual_clip: Optional[float] = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token policy loss [B, T] (minimise it) and metrics. See POLICY_LOSSES.
+
+    ppo:   -min(r A, clip(r, 1-eps_low, 1+eps_high) A), r = exp(logp - old); dual_clip=c
+           caps the loss at -c A for A < 0.
+    gspo:  PPO clipping on the GSPO-token ratio sg[s_i] * exp(logp - sg[logp]) where
+           s_i = exp(mean over row i's action tokens of (logp - old)).
+    cispo: -sg[clip(r, 1-eps_low, 1+eps_high)] * A * logp; gradient only through logp.
+    """
+    if kind not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {kind!r}; choices: {POLICY_LOSSES}")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+    m = mask.bool()
+    A = advantages.float()
+    # where() before anything else so padding (even -inf logprobs) cannot leak NaN into gradients.
+    log_ratio = torch.where(m, logprobs.float() - old_logprobs.float(), 0)  # [B, T]
+    tok_lr = log_ratio.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    tok_ratio = torch.exp(tok_lr)  # [B, T] detached per-token ratio
+    lo, hi = 1.0 - eps_low, 1.0 + eps_high
+
+    if kind == "cispo":
+        w = tok_ratio.clamp(lo, hi)  # already detached
+        loss = -w * A * torch.where(m, logprobs.float(), 0)
+        clipped = (tok_ratio < lo) | (tok_ratio > hi)
+        ratio = tok_ratio
+    else:
+        if kind == "gspo":
+            seq = log_ratio.detach().sum(1) / m.sum(1).clamp(min=1)  # [B] mean log-ratio per row
+            lp = torch.where(m, logprobs.float(), 0)
+            # Value equals s_i on every token; d/dlogp_t is s_i (per-token gradient).
+            log_ratio = seq[:, None] + lp - lp.detach()  # [B, T]
+        ratio = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))  # [B, T]
+        loss1 = -ratio * A
+        loss2 = -ratio.clamp(lo, hi) * A
+        loss = torch.maximum(loss1, loss2)
+        clipped = loss2 > loss1
+        if dual_clip is not None:
+            capped = (A < 0) & (loss > -dual_clip * A)
+            loss = torch.where(capped, -dual_clip * A, loss)
+            clipped = clipped | capped
+    loss = torch.where(m, loss, 0)
+    metrics = {
+        "clip_frac": _mean(clipped.float(), m),
+        "ratio_mean": _mean(ratio, m),
+        # k3 estimate of KL(old || new) from samples of old: (r - 1) - log r, per token.
+        "approx_kl": _mean(tok_ratio - 1 - tok_lr, m),
+    }
+    return loss, metrics
+
+
+def aggregate(per_token_loss: Tensor, mask: Tensor, mode: str = "token_mean",
+              num_tokens: Count = None, num_seqs: Count = None) -> Tensor:
+    """Reduce a [B, T] per-token loss to a scalar. See LOSS_AGGS.
+
+    Pass num_tokens / num_seqs = action-token / row count of the WHOLE optimizer step
+    (all micro-batches, all data-parallel ranks): then summing the gradients over
+    micro-batches and ranks (all_reduce SUM, not mean) gives the same step however
+    the batch is split. Defaults are this batch's counts.
+    """
+    m = mask.bool()
+    loss = torch.where(m, per_token_loss, 0)  # [B, T]
+    if mode == "token_mean":
+        return loss.sum() / _count(m.sum() if num_tokens is None else num_tokens, loss)
+    if mode in ("seq_mean_token_mean", "seq_mean_token_sum"):
+        per_row = loss.sum(1)  # [B]
+        if mode == "seq_mean_token_mean":
+            per_row = per_row / m.sum(1).clamp(min=1)
+        return per_row.sum() / _count(m.shape[0] if num_seqs is None else num_seqs, loss)
+    raise ValueError(f"unknown loss aggregation {mode!r}; choices: {LOSS_AGGS}")
+
+
+@torch.no_grad()
+def is_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, *,
+               level: str, mode: str, low: float, high: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """Train/rollout mismatch importance weights [B, T] (detached) and metrics.
+
+    ratio = exp(old_logprobs - rollout_logprobs) (trainer over sampler). level: off (weights
+    = mask), token (per-token ratio), seq (per-row product), geo (per-row geometric mean).
+    mode: mask (1 inside [low, high], else 0), clip (clamp to [low, high]), trunc (min(ratio,
+    high)). seq/geo are per-row rejection filters and only accept mode="mask".
+    """
+    if level not in IS_LEVELS:
+        raise ValueError(f"unknown IS level {level!r}; choices: {IS_LEVELS}")
+    if mode not in IS_MODES:
+        raise ValueError(f"unknown IS mode {mode!r}; choices: {IS_MODES}")
+    if level in ("seq", "geo") and mode != "mask":
+        raise ValueError(f"IS level {level!r} is a per-sequence rejection filter and needs mode='mask', got {mode!r}")
+    if not (0.0 <= low <= high and high > 0.0):
+        raise ValueError(f"need 0 <= low <= high and high > 0, got low={low}, high={high}")
+    m = mask.bool()
+    log_r = torch.where(m, old_logprobs.float() - rollout_logprobs.float(), 0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio = torch.exp(log_r)  # [B, T]
+    if level == "off":
+        w, filtered = m.float(), torch.zeros_like(ratio, dtype=torch.bool)
+    elif level == "token":
+        outside = (ratio < low) | (ratio > high)
+        if mode == "mask":
+            w, filtered = (~outside).float(), outside
+        elif mode == "clip":
+            w, filtered = ratio.clamp(low, high), outside
+        else:
+            w, filtered = ratio.clamp(max=high), ratio > high
+    else:
+        row = log_r.sum(1)  # [B]
+        if level == "geo":
+            row = row / m.sum(1).clamp(min=1)
+        # Compare in log space: a long sequence's summed log-ratio would overflow exp.
+        accept = (row >= (math.log(low) if low > 0 else -math.inf)) & (row <= math.log(high))
+        w = accept[:, None].expand_as(m).float()
+        filtered = ~accept[:, None].expand_as(m)
+    w = torch.where(m, w, 0)
+    metrics = {
+        "is_filtered_frac": _mean(filtered.float(), m),
+        # k3 estimate of KL(rollout || trainer) with samples from the rollout policy.
+        "mismatch_k3": _mean(ratio - 1 - log_r, m),
+        "mismatch_abs": _mean(log_r.abs(), m),
+        "is_weight_mean": _mean(w, m),
+    }
+    return w, metrics
+
+
+def kl(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
+    """Per-token estimate of KL(pi || ref) from samples of pi. [B, T], not masked.
+
+    k1 = logp - ref (unbiased, can be negative), k2 = 0.5 (logp - ref)^2,
+    k3 = exp(ref - logp) - (ref - logp) - 1 (unbiased, >= 0).
+    """
+    d = logprobs.float() - ref_logprobs.float()  # [B, T]
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d ** 2
+    if estimator == "k3":
+        r = (-d).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        return torch.exp(r) - r - 1
+    raise ValueError(f"unknown KL estimator {estimator!r}; choices: {KL_ESTIMATORS}")
+
+
+def entropy(logits: Tensor) -> Tensor:
+    """Entropy of softmax(logits) over the last dim, computed in float32: [...]."""
+    z = logits.float()
+    lse = torch.logsumexp(z, dim=-1)  # [...]
+    # H = lse - sum p z; one [..., V] temporary (p) instead of a kept log_softmax copy.
+    return lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
+               clip: Optional[float]) -> Tensor:
+    """Per-token 0.5 * max((v - R)^2, (old_v + clamp(v - old_v, -clip, clip) - R)^2); clip=None: unclipped."""
+    v, R = values.float(), returns.float()
+    loss = (v - R) ** 2
+    if clip is not None:
+        v_clip = old_values.float() + (v - old_values.float()).clamp(-clip, clip)
+        loss = torch.maximum(loss, (v_clip - R) ** 2)
+    return torch.where(mask.bool(), 0.5 * loss, 0)
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
+    """log_softmax(logits / temperature) at `tokens`, in float32: [B, T] from [B, T, V] logits.
+
+    Matches vLLM's processed logprobs. Uses gather - logsumexp so no full log_softmax is kept.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    return z.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)

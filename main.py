@@ -1,0 +1,148 @@
+"""Entry point: every flag, every check of flags, then loop.run.
+
+    python main.py                                   # tiny model, built-in task, CPU, minutes
+    python main.py --estimator rloo --steps 100
+    python main.py --agent examples/agents/max_digit.py --dataset data.jsonl
+    python main.py --help                            # the whole flag surface
+
+Flags are grouped by concept; `validate` refuses bad values and unsound
+combinations before Ray, the engine or the trainer start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import estimators
+import losses
+
+ROOT = Path(__file__).resolve().parent
+DEFAULT_AGENT = str(ROOT / "examples" / "agents" / "max_digit.py")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MOLT_CACHE", Path.home() / ".cache" / "molt"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="RL training of LLM agents: vLLM rollout, FSDP2 trainer, one async Ray loop.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", default="tiny", help="local HF model folder, or 'tiny' to build (once) a random-init "
+                   "tiny Qwen3 with a character tokenizer under $MOLT_CACHE")
+    g.add_argument("--agent", default=DEFAULT_AGENT, help="Python file defining exactly one Env subclass")
+    g.add_argument("--dataset", default=None, help="JSONL file of prompts (default: the agent's built-in prompts)")
+    g.add_argument("--input_key", default="prompt", help="dataset field holding the prompt (text or chat messages)")
+    g.add_argument("--label_key", default="label", help="dataset field holding the label passed to the agent")
+    g.add_argument("--output_dir", default="runs/latest", help="where metrics, config and the final model go")
+
+    g = p.add_argument_group("rollout")
+    g.add_argument("--prompts_per_step", type=int, default=32, help="prompt groups per optimizer step")
+    g.add_argument("--samples_per_prompt", type=int, default=16, help="rollouts per prompt (the group size)")
+    g.add_argument("--max_new_tokens", type=int, default=4, help="max sampled tokens per turn")
+    g.add_argument("--max_len", type=int, default=256, help="max tokens of a whole trajectory (prompt + all turns)")
+    g.add_argument("--max_turns", type=int, default=None, help="turn limit of an Env episode (default: the Env's max_turns)")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (trainer logprobs use the same)")
+    g.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling (1.0 = off; <1 makes logprobs biased)")
+    g.add_argument("--agent_timeout", type=float, default=300.0, help="seconds before a rollout is dropped")
+    g.add_argument("--gpu_memory_utilization", type=float, default=0.5, help="vLLM memory share on GPU")
+
+    g = p.add_argument_group("loop")
+    g.add_argument("--steps", type=int, default=150, help="optimizer steps")
+    g.add_argument("--async_depth", type=int, default=0, help="how many policy versions rollouts may run ahead "
+                   "of the trainer (0 = strictly on-policy)")
+    g.add_argument("--rollout_in_flight", type=int, default=None, help="max prompt groups generating at once "
+                   "(default: prompts_per_step * (async_depth + 1))")
+    g.add_argument("--seed", type=int, default=0)
+
+    g = p.add_argument_group("algorithm")
+    g.add_argument("--estimator", default="grpo", help=f"advantage estimator: {', '.join(estimators.ESTIMATORS)}")
+    g.add_argument("--loss", default="ppo", help=f"policy loss: {', '.join(losses.POLICY_LOSSES)}")
+    g.add_argument("--eps_clip", type=float, nargs=2, default=[0.2, 0.2], metavar=("LOW", "HIGH"),
+                   help="PPO clip range: ratio in [1-LOW, 1+HIGH]")
+    g.add_argument("--dual_clip", type=float, default=None, help="dual-clip bound c > 1 for negative advantages")
+    g.add_argument("--gamma", type=float, default=1.0, help="discount over action tokens")
+    g.add_argument("--lam", type=float, default=1.0, help="GAE lambda")
+    g.add_argument("--is_level", default="token", help=f"train/rollout mismatch correction: {', '.join(losses.IS_LEVELS)}")
+    g.add_argument("--is_mode", default="trunc", help=f"how IS weights act: {', '.join(losses.IS_MODES)}")
+    g.add_argument("--is_band", type=float, nargs=2, default=[0.0, 2.0], metavar=("LOW", "HIGH"),
+                   help="IS weight band (trunc uses HIGH only)")
+
+    g = p.add_argument_group("optimization")
+    g.add_argument("--lr", type=float, default=1e-3, help="learning rate (AdamW)")
+    g.add_argument("--weight_decay", type=float, default=0.0)
+    g.add_argument("--grad_clip", type=float, default=1.0, help="max global gradient norm")
+    g.add_argument("--micro_batch_size", type=int, default=256, help="rows per forward/backward")
+    g.add_argument("--param_dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="trainer compute dtype and engine dtype")
+    g.add_argument("--train_threads", type=int, default=None, help="torch threads in the trainer (default: torch's)")
+
+    g = p.add_argument_group("infrastructure")
+    g.add_argument("--ray_address", default=None, help="Ray cluster address (default: start a local one)")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument("--verbose", action="store_true", help="show the actors' logs (vLLM, trainer)")
+    return p
+
+
+def validate(cfg: dict) -> dict:
+    """Refuse bad values and unsound combinations, all in one place. Fills defaults."""
+    def need(ok: bool, msg: str):
+        if not ok:
+            raise ValueError(msg)
+
+    need(cfg["estimator"] in estimators.ESTIMATORS,
+         f"--estimator {cfg['estimator']!r} is unknown; choose from {', '.join(estimators.ESTIMATORS)}")
+    need(cfg["loss"] in losses.POLICY_LOSSES, f"--loss {cfg['loss']!r} is unknown; choose from {', '.join(losses.POLICY_LOSSES)}")
+    need(cfg["is_level"] in losses.IS_LEVELS, f"--is_level {cfg['is_level']!r} is unknown; choose from {', '.join(losses.IS_LEVELS)}")
+    need(cfg["is_mode"] in losses.IS_MODES, f"--is_mode {cfg['is_mode']!r} is unknown; choose from {', '.join(losses.IS_MODES)}")
+    need(cfg["is_level"] in ("off", "token") or cfg["is_mode"] == "mask",
+         f"--is_level {cfg['is_level']} filters whole sequences and needs --is_mode mask")
+    for k in ("steps", "prompts_per_step", "samples_per_prompt", "max_new_tokens", "max_len", "micro_batch_size"):
+        need(cfg[k] >= 1, f"--{k} must be >= 1, got {cfg[k]}")
+    need(cfg["async_depth"] >= 0, f"--async_depth must be >= 0, got {cfg['async_depth']}")
+    need(cfg["estimator"] not in estimators.GROUP_ESTIMATORS or cfg["samples_per_prompt"] > 1,
+         f"--estimator {cfg['estimator']} compares rollouts of the same prompt and needs --samples_per_prompt >= 2")
+    need(cfg["estimator"] not in ("gae", "on_policy_distill"),
+         f"--estimator {cfg['estimator']} needs a critic or a teacher model, which this trainer does not load yet")
+    need(cfg["temperature"] > 0, "--temperature must be > 0 (logprobs of greedy decoding are not a policy)")
+    need(0 < cfg["top_p"] <= 1, "--top_p must be in (0, 1]")
+    need(cfg["lr"] > 0, "--lr must be > 0")
+    need(cfg["max_new_tokens"] < cfg["max_len"], "--max_new_tokens must be smaller than --max_len")
+    need(cfg["agent_timeout"] > 0, "--agent_timeout must be > 0")
+    need(cfg["dual_clip"] is None or cfg["dual_clip"] > 1, "--dual_clip must be > 1")
+    if cfg["async_depth"] > 0:
+        need(cfg["is_level"] != "off", "--async_depth > 0 trains on tokens sampled by older policies: "
+             "it needs IS correction (--is_level token|seq|geo), not 'off'")
+    cfg["rollout_in_flight"] = cfg["rollout_in_flight"] or cfg["prompts_per_step"] * (cfg["async_depth"] + 1)
+    need(cfg["rollout_in_flight"] >= cfg["prompts_per_step"],
+         "--rollout_in_flight must be >= --prompts_per_step, or a batch could never fill")
+
+    if cfg["model"] == "tiny":
+        import trainer
+        cfg["model"] = trainer.build_tiny_model(str(cache_dir() / "tiny-qwen3-chars-v1"))
+    model = Path(cfg["model"])
+    need(model.is_dir() and (model / "config.json").is_file(),
+         f"--model {cfg['model']}: not a model folder (expected a directory with config.json)")
+    cfg["model"] = str(model.resolve())
+    need(Path(cfg["agent"]).is_file(), f"--agent {cfg['agent']}: no such file")
+    need(cfg["dataset"] is None or Path(cfg["dataset"]).is_file(), f"--dataset {cfg['dataset']}: no such file")
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = build_parser()
+    cfg = vars(parser.parse_args(argv))
+    try:
+        cfg = validate(cfg)
+    except ValueError as e:
+        parser.error(str(e))
+    import loop
+    return loop.run(cfg)
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

@@ -1,0 +1,218 @@
+"""Hand-computed checks for estimators.py. Run: python -m pytest -q tests/test_estimators.py"""
+
+import math
+
+import pytest
+import torch
+
+from estimators import ESTIMATORS, GROUP_ESTIMATORS, compute_advantages, group_stats, whiten
+
+
+def t(x, dtype=torch.float32):
+    return torch.tensor(x, dtype=dtype)
+
+
+def ids(x):
+    return torch.tensor(x, dtype=torch.long)
+
+
+def close(actual, expected, atol=1e-5):
+    torch.testing.assert_close(actual, t(expected), atol=atol, rtol=1e-5)
+
+
+# Two rows with gapped action tokens, plus a row with no action token at all.
+MASK = t([[1, 1, 0, 1, 0], [0, 1, 1, 0, 0], [0, 0, 0, 0, 0]])
+REW = t([2.0, -1.0, 5.0])
+GRP = ids([0, 1, 2])
+
+
+def test_reinforce_gamma_one_broadcasts_reward():
+    adv, ret = compute_advantages("reinforce", REW, MASK, GRP)
+    expected = [[2, 2, 0, 2, 0], [0, -1, -1, 0, 0], [0, 0, 0, 0, 0]]
+    close(adv, expected)
+    close(ret, expected)
+
+
+def test_reinforce_gamma_discounts_over_action_tokens_only():
+    # Row 0: actions at 0, 1, 3; the gap at 2 does not count as a step.
+    adv, _ = compute_advantages("reinforce", REW, MASK, GRP, gamma=0.5)
+    close(adv, [[0.5, 1, 0, 2, 0], [0, -0.5, -1, 0, 0], [0, 0, 0, 0, 0]])
+
+
+def test_reinforce_kl_in_reward():
+    kl = t([[1, 2, 9, 3, 9], [9, 1, 1, 9, 9], [9, 9, 9, 9, 9]])  # 9s are off-mask, must be ignored
+    # Row 0 token rewards: -0.1, -0.2, (gap), 2 - 0.3; row 1: -0.1, -1 - 0.1.
+    adv, _ = compute_advantages("reinforce", REW, MASK, GRP, kl=kl, kl_coef=0.1)
+    close(adv, [[1.4, 1.5, 0, 1.7, 0], [0, -1.2, -1.1, 0, 0], [0, 0, 0, 0, 0]])
+    adv, _ = compute_advantages("reinforce", REW, MASK, GRP, kl=kl, kl_coef=0.1, gamma=0.5)
+    close(adv, [[0.225, 0.65, 0, 1.7, 0], [0, -0.65, -1.1, 0, 0], [0, 0, 0, 0, 0]])
+
+
+def test_reinforce_pp_whitens_over_batch_action_tokens():
+    mask = t([[1, 1, 0, 0], [0, 1, 0, 0], [1, 0, 0, 1]])
+    adv, ret = compute_advantages("reinforce_pp", t([1.0, 4.0, 1.0]), mask, ids([0, 1, 2]))
+    # Action-token returns 1,1,4,1,1: mean 1.6, population std 1.2.
+    close(ret, [[1, 1, 0, 0], [0, 4, 0, 0], [1, 0, 0, 1]])
+    close(adv, [[-0.5, -0.5, 0, 0], [0, 2, 0, 0], [-0.5, 0, 0, -0.5]])
+
+
+def test_reinforce_pp_kl_and_gamma():
+    mask = t([[1, 0, 1, 1]])
+    kl = t([[0.5, 9, 0, 1]])
+    # Token rewards -0.5, (gap), 0, 3 - 1 -> returns with gamma 0.5: 0, 1, 2.
+    adv, ret = compute_advantages("reinforce_pp", t([3.0]), mask, ids([0]), kl=kl, kl_coef=1.0, gamma=0.5)
+    close(ret, [[0, 0, 1, 2]])
+    s = math.sqrt(2 / 3)
+    close(adv, [[-1 / s, 0, 0, 1 / s]])
+
+
+def test_reinforce_pp_baseline():
+    mask = t([[1], [1], [1], [1], [1]])
+    adv, ret = compute_advantages("reinforce_pp_baseline", t([1, 3, 0, 0, 6]), mask, ids([0, 0, 1, 1, 1]))
+    # Group means 2 and 2 -> -1, 1, -2, -2, 4; mean 0, variance 26/5.
+    close(ret, [[-1], [1], [-2], [-2], [4]])
+    s = math.sqrt(26 / 5)
+    close(adv, [[-1 / s], [1 / s], [-2 / s], [-2 / s], [4 / s]])
+
+
+def test_reinforce_pp_baseline_counts_segments_once():
+    # Rollout (g0, id0) is cut into rows 0 and 1; group 0 mean is (2 + 0) / 2 = 1, not 4/3.
+    mask = t([[1, 0], [0, 1], [1, 1], [1, 0], [0, 1]])
+    adv, ret = compute_advantages("reinforce_pp_baseline", t([2, 2, 0, 4, 0]), mask, ids([0, 0, 0, 1, 1]),
+                                  rollout_ids=ids([0, 0, 1, 0, 1]))
+    close(ret, [[1, 0], [0, 1], [-1, -1], [2, 0], [0, -2]])
+    s = math.sqrt(2.0)  # tokens 1, 1, -1, -1, 2, -2: mean 0, variance 12/6
+    close(adv, [[1 / s, 0], [0, 1 / s], [-1 / s, -1 / s], [2 / s, 0], [0, -2 / s]])
+
+
+def test_rloo_unequal_groups():
+    mask = t([[1, 1], [1, 0], [0, 1], [1, 1], [1, 1], [1, 1]])
+    adv, ret = compute_advantages("rloo", t([1, 2, 6, 5, 3, 7]), mask, ids([0, 0, 0, 1, 1, 2]))
+    # 1 - (2+6)/2, 2 - (1+6)/2, 6 - (1+2)/2, 5 - 3, 3 - 5, single-member group -> 0.
+    close(adv, [[-3, -3], [-1.5, 0], [0, 4.5], [2, 2], [-2, -2], [0, 0]])
+    close(ret, adv.tolist())
+
+
+def test_rloo_counts_segments_once():
+    mask = torch.ones(4, 2)
+    adv, _ = compute_advantages("rloo", t([5, 5, 1, 3]), mask, ids([0, 0, 0, 0]), rollout_ids=ids([3, 3, 4, 5]))
+    # Rollouts 5, 1, 3: 5 - 2, 1 - 4, 3 - 3.
+    close(adv, [[3, 3], [3, 3], [-3, -3], [0, 0]])
+
+
+def test_grpo_population_std():
+    mask = t([[1, 0, 1]] * 6)
+    adv, _ = compute_advantages("grpo", t([1, 2, 3, 0, 4, 5]), mask, ids([0, 0, 0, 1, 1, 2]))
+    s0, s1 = math.sqrt(2 / 3) + 1e-6, 2 + 1e-6
+    a = [-1 / s0, 0, 1 / s0, -2 / s1, 2 / s1, 0]
+    close(adv, [[x, 0, x] for x in a])
+
+
+def test_grpo_and_dr_grpo_count_segments_once():
+    mask = torch.ones(4, 1)
+    rew, grp, rid = t([1, 1, 2, 6]), ids([0, 0, 0, 0]), ids([7, 7, 8, 9])
+    # Rollouts 1, 2, 6: mean 3, population variance (4 + 1 + 9) / 3.
+    s = math.sqrt(14 / 3) + 1e-6
+    adv, _ = compute_advantages("grpo", rew, mask, grp, rollout_ids=rid)
+    close(adv, [[-2 / s], [-2 / s], [-1 / s], [3 / s]])
+    adv, ret = compute_advantages("dr_grpo", rew, mask, grp, rollout_ids=rid)
+    close(adv, [[-2], [-2], [-1], [3]])
+    close(ret, [[-2], [-2], [-1], [3]])
+
+
+def test_rollout_ids_are_scoped_to_groups():
+    # The same rollout id in two groups names two different rollouts.
+    adv, _ = compute_advantages("dr_grpo", t([1, 3, 10, 20]), torch.ones(4, 1), ids([0, 0, 1, 1]),
+                                rollout_ids=ids([0, 1, 0, 1]))
+    close(adv, [[-1], [1], [-5], [5]])
+
+
+def test_segments_must_share_reward():
+    with pytest.raises(ValueError, match="share the same reward"):
+        compute_advantages("grpo", t([1, 2]), torch.ones(2, 1), ids([0, 0]), rollout_ids=ids([0, 0]))
+
+
+def test_dr_grpo_plain():
+    adv, _ = compute_advantages("dr_grpo", t([1, 2, 3, 0, 4, 5]), torch.ones(6, 1), ids([0, 0, 0, 1, 1, 2]))
+    close(adv, [[-1], [0], [1], [-2], [2], [0]])
+
+
+def test_gae_skips_observation_tokens():
+    mask = t([[1, 1, 0, 1], [0, 1, 1, 0]])
+    values = t([[0.5, 1.0, 9.0, 2.0], [7.0, 1.0, 2.0, 7.0]])  # off-mask values are ignored
+    adv, ret = compute_advantages("gae", t([3.0, 1.0]), mask, ids([0, 1]), values=values, gamma=0.9, lam=0.8)
+    # Row 0 over actions v=(0.5, 1, 2), r=(0, 0, 3):
+    #   A2 = 3 - 2 = 1; A1 = (0.9*2 - 1) + 0.72*1 = 1.52; A0 = (0.9*1 - 0.5) + 0.72*1.52 = 1.4944.
+    # Row 1 over v=(1, 2), r=(0, 1): A1 = 1 - 2 = -1; A0 = (0.9*2 - 1) + 0.72*(-1) = 0.08.
+    close(adv, [[1.4944, 1.52, 0, 1.0], [0, 0.08, -1.0, 0]])
+    close(ret, [[1.9944, 2.52, 0, 3.0], [0, 1.08, 1.0, 0]])
+
+
+def test_gae_with_kl_in_reward():
+    mask, values, kl = t([[0, 1, 1, 0]]), t([[5, 1, 2, 5]]), t([[5, 1, 2, 5]])
+    adv, ret = compute_advantages("gae", t([1.0]), mask, ids([0]), values=values, kl=kl, kl_coef=0.5)
+    # gamma = lam = 1: A_t = (sum of remaining rewards) - V_t; rewards -0.5, 1 - 1.
+    close(adv, [[0, -1.5, -2, 0]])
+    close(ret, [[0, -0.5, 0, 0]])
+
+
+def test_on_policy_distill():
+    adv, ret = compute_advantages("on_policy_distill", t([100.0]), t([[1, 0, 1]]), ids([0]),
+                                  kl=t([[0.5, 9, -1]]), kl_coef=2.0)
+    close(adv, [[-1, 0, 2]])
+    close(ret, [[-1, 0, 2]])
+
+
+def test_whiten():
+    out = whiten(t([[1, 2, 100], [3, 0, 0]]), t([[1, 1, 0], [1, 0, 0]]))
+    s = math.sqrt(2 / 3)
+    close(out, [[-1 / s, 0, 0], [1 / s, 0, 0]])
+
+
+def test_group_stats():
+    mean, std, n = group_stats(t([1, 1, 3, 7]), ids([4, 4, 4, 9]), ids([0, 0, 1, 0]))
+    close(mean, [2, 2, 2, 7])
+    close(std, [1, 1, 1, 0])
+    close(n, [2, 2, 2, 1])
+
+
+def test_group_estimator_set():
+    assert GROUP_ESTIMATORS == {"reinforce_pp_baseline", "rloo", "grpo", "dr_grpo"}
+    assert GROUP_ESTIMATORS <= set(ESTIMATORS)
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_every_estimator_shape_dtype_and_mask(name):
+    g = torch.Generator().manual_seed(0)
+    B, T = 6, 7
+    mask = (torch.rand(B, T, generator=g) > 0.4).to(torch.bfloat16)
+    kw = dict(values=torch.randn(B, T, generator=g), gamma=0.9, lam=0.95)
+    if name not in ("rloo", "grpo", "dr_grpo"):
+        kw.update(kl=torch.randn(B, T, generator=g).bfloat16(), kl_coef=0.1)
+    adv, ret = ESTIMATORS[name](torch.randn(B, generator=g).bfloat16(), mask, ids([0, 0, 0, 1, 1, 2]), **kw)
+    for x in (adv, ret):
+        assert x.shape == (B, T) and x.dtype == torch.float32
+        assert torch.isfinite(x).all()
+        assert (x[mask == 0] == 0).all()
+
+
+def test_errors():
+    m, r, g = torch.ones(2, 3), t([1.0, 2.0]), ids([0, 0])
+    with pytest.raises(ValueError, match="unknown advantage estimator 'nope'.*grpo"):
+        compute_advantages("nope", r, m, g)
+    with pytest.raises(ValueError, match="gae needs critic values"):
+        compute_advantages("gae", r, m, g)
+    with pytest.raises(ValueError, match="on_policy_distill needs kl"):
+        compute_advantages("on_policy_distill", r, m, g, kl_coef=1.0)
+    with pytest.raises(ValueError, match="on_policy_distill needs kl_coef > 0"):
+        compute_advantages("on_policy_distill", r, m, g, kl=torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="reinforce_pp: kl_coef=0.1 needs kl"):
+        ESTIMATORS["reinforce_pp"](r, m, g, kl_coef=0.1)
+    with pytest.raises(ValueError, match="grpo does not support KL-in-reward"):
+        compute_advantages("grpo", r, m, g, kl=torch.zeros(2, 3), kl_coef=0.1)
+    with pytest.raises(ValueError, match="want rewards"):
+        compute_advantages("grpo", t([1.0]), m, g)
+    with pytest.raises(ValueError, match="values must be"):
+        compute_advantages("gae", r, m, g, values=torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="gamma and lam"):
+        compute_advantages("reinforce", r, m, g, gamma=1.5)
