@@ -52,6 +52,7 @@ class State:
     turn: int
     sampling_params: dict
     row: dict                        # the whole dataset row
+    finish_reason: str = "stop"      # "stop" (the model ended its turn) or "length" (cut off)
 
 
 class Env:
@@ -116,6 +117,13 @@ def _messages(prompt: Any) -> list[dict]:
     raise ValueError(f"a prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
 
 
+def decode_reply(tokenizer, token_ids: list[int]) -> str:
+    """The reply as the model wrote it, special tokens included, less a final end-of-turn."""
+    if token_ids and token_ids[-1] == tokenizer.eos_token_id:
+        token_ids = token_ids[:-1]
+    return tokenizer.decode(token_ids, skip_special_tokens=False)
+
+
 def observation_ids(tokenizer, messages: list[dict], reply_ids: list[int],
                     observation: str, role: str = "user") -> list[int]:
     """Token ids that follow the sampled reply when `observation` comes next.
@@ -157,11 +165,12 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
             break
         out = await generate(traj.tokens, {**params, "max_tokens": min(params["max_tokens"], budget)})
         traj.add(out["token_ids"], True, out["logprobs"], out["version"])
-        action = tokenizer.decode(out["token_ids"], skip_special_tokens=True)
+        action = decode_reply(tokenizer, out["token_ids"])
         messages.append({"role": "assistant", "content": action})
         result = await env.step(State(prompt=row["prompt"], label=row.get("label"), action=action,
                                       observation=observation, messages=messages, turn=turn,
-                                      sampling_params=params, row=row))
+                                      sampling_params=params, row=row,
+                                      finish_reason=out["finish_reason"]))
         reward = float(result.reward)
         if not math.isfinite(reward):
             raise ValueError(f"agent returned a non-finite reward {result.reward!r}")

@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("rollout")
     g.add_argument("--prompts_per_step", type=int, default=32, help="prompt groups per optimizer step")
     g.add_argument("--samples_per_prompt", type=int, default=16, help="rollouts per prompt (the group size)")
-    g.add_argument("--max_new_tokens", type=int, default=4, help="max sampled tokens per turn")
+    g.add_argument("--max_new_tokens", type=int, default=3, help="max sampled tokens per turn")
     g.add_argument("--max_len", type=int, default=256, help="max tokens of a whole trajectory (prompt + all turns)")
     g.add_argument("--max_turns", type=int, default=None, help="turn limit of an Env episode (default: the Env's max_turns)")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (trainer logprobs use the same)")
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gpu_memory_utilization", type=float, default=0.5, help="vLLM memory share on GPU")
 
     g = p.add_argument_group("loop")
-    g.add_argument("--steps", type=int, default=150, help="optimizer steps")
+    g.add_argument("--steps", type=int, default=100, help="optimizer steps (policy versions)")
     g.add_argument("--async_depth", type=int, default=0, help="how many policy versions rollouts may run ahead "
                    "of the trainer (0 = strictly on-policy)")
     g.add_argument("--rollout_in_flight", type=int, default=None, help="max prompt groups generating at once "
@@ -75,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr", type=float, default=1e-3, help="learning rate (AdamW)")
     g.add_argument("--weight_decay", type=float, default=0.0)
     g.add_argument("--grad_clip", type=float, default=1.0, help="max global gradient norm")
-    g.add_argument("--micro_batch_size", type=int, default=256, help="rows per forward/backward")
+    g.add_argument("--mini_batches", type=int, default=4, help="optimizer steps per rollout batch (PPO mini-batches)")
+    g.add_argument("--ppo_epochs", type=int, default=1, help="passes over each rollout batch")
+    g.add_argument("--micro_batch_size", type=int, default=256, help="rows per forward/backward (gradient accumulation)")
     g.add_argument("--param_dtype", default="float32", choices=["float32", "bfloat16"],
                    help="trainer compute dtype and engine dtype")
     g.add_argument("--train_threads", type=int, default=None, help="torch threads in the trainer (default: torch's)")
@@ -100,8 +102,11 @@ def validate(cfg: dict) -> dict:
     need(cfg["is_mode"] in losses.IS_MODES, f"--is_mode {cfg['is_mode']!r} is unknown; choose from {', '.join(losses.IS_MODES)}")
     need(cfg["is_level"] in ("off", "token") or cfg["is_mode"] == "mask",
          f"--is_level {cfg['is_level']} filters whole sequences and needs --is_mode mask")
-    for k in ("steps", "prompts_per_step", "samples_per_prompt", "max_new_tokens", "max_len", "micro_batch_size"):
+    for k in ("steps", "prompts_per_step", "samples_per_prompt", "max_new_tokens", "max_len", "micro_batch_size",
+              "mini_batches", "ppo_epochs"):
         need(cfg[k] >= 1, f"--{k} must be >= 1, got {cfg[k]}")
+    need(cfg["mini_batches"] <= cfg["prompts_per_step"] * cfg["samples_per_prompt"],
+         "--mini_batches cannot exceed the rollouts per step (prompts_per_step * samples_per_prompt)")
     need(cfg["async_depth"] >= 0, f"--async_depth must be >= 0, got {cfg['async_depth']}")
     need(cfg["estimator"] not in estimators.GROUP_ESTIMATORS or cfg["samples_per_prompt"] > 1,
          f"--estimator {cfg['estimator']} compares rollouts of the same prompt and needs --samples_per_prompt >= 2")

@@ -162,33 +162,41 @@ class Trainer:
             batch["rewards"], mask, batch["groups"], rollout_ids=batch["rollout_ids"],
             gamma=cfg["gamma"], lam=cfg["lam"])
 
-        # One optimizer step; each micro-batch is normalized by the whole step's tokens.
+        # PPO: --ppo_epochs passes over the batch, each split into --mini_batches optimizer
+        # steps; each micro-batch is normalized by the action tokens of its optimizer step.
         self.model.train()
-        num_tokens = mask.sum().clamp(min=1)
-        totals = {"loss": 0.0, "clip_frac": 0.0}
-        for mb in mbs:
-            lp, _ = self._logprobs(batch["input_ids"][mb], batch["targets"][mb])
-            m = mask[mb].to(lp.device)
-            per_token, pm = losses.policy_loss(cfg["loss"], lp, old[mb].to(lp.device),
-                                               advantages[mb].to(lp.device), m,
-                                               eps_low=cfg["eps_clip"][0], eps_high=cfg["eps_clip"][1],
-                                               dual_clip=cfg["dual_clip"])
-            per_token = per_token * weights[mb].to(lp.device)
-            loss = losses.aggregate(per_token, m, "token_mean", num_tokens=num_tokens)
-            loss.backward()
-            totals["loss"] += loss.item()
-            totals["clip_frac"] += float(pm["clip_frac"]) * m.sum().item() / num_tokens.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg["grad_clip"])
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        shuffle = torch.Generator().manual_seed(cfg["seed"] * 100_003 + self.version)
+        totals = {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0}
+        updates = 0
+        for _ in range(cfg["ppo_epochs"]):
+            order = torch.randperm(B, generator=shuffle) if cfg["mini_batches"] > 1 else torch.arange(B)
+            for rows in order.chunk(cfg["mini_batches"]):
+                num_tokens = mask[rows].sum().clamp(min=1)
+                for mb in rows.split(cfg["micro_batch_size"]):
+                    lp, _ = self._logprobs(batch["input_ids"][mb], batch["targets"][mb])
+                    m = mask[mb].to(lp.device)
+                    per_token, pm = losses.policy_loss(
+                        cfg["loss"], lp, old[mb].to(lp.device), advantages[mb].to(lp.device), m,
+                        eps_low=cfg["eps_clip"][0], eps_high=cfg["eps_clip"][1], dual_clip=cfg["dual_clip"])
+                    per_token = per_token * weights[mb].to(lp.device)
+                    loss = losses.aggregate(per_token, m, "token_mean", num_tokens=num_tokens)
+                    loss.backward()
+                    totals["loss"] += loss.item()
+                    totals["clip_frac"] += float(pm["clip_frac"]) * m.sum().item() / num_tokens.item()
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg["grad_clip"])
+                grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+                if math.isfinite(grad_norm):  # a NaN/inf gradient skips the update, never poisons it
+                    self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                totals["grad_norm"] += grad_norm
+                updates += 1
         self.version += 1
+        num_tokens = mask.sum()
 
         action = mask.bool()
         metrics = {
-            **totals,
-            "grad_norm": grad_norm,
+            **{k: v / updates for k, v in totals.items()},
+            "optimizer_steps": updates,
             "entropy": ent[action].mean().item(),
             "advantage_abs": advantages[action].abs().mean().item(),
             "action_tokens": int(num_tokens.item()),

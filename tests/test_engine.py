@@ -34,7 +34,7 @@ async def _make(model):
 
 def _cfg(model):
     return {"model": model, "seed": 0, "param_dtype": "float32", "lr": 1e-2, "weight_decay": 0.0,
-            "temperature": TEMPERATURE, "micro_batch_size": 8, "estimator": "grpo", "loss": "ppo",
+            "temperature": TEMPERATURE, "micro_batch_size": 8, "mini_batches": 2, "ppo_epochs": 1, "estimator": "grpo", "loss": "ppo",
             "eps_clip": [0.2, 0.2], "dual_clip": None, "gamma": 1.0, "lam": 1.0, "grad_clip": 1.0,
             "is_level": "token", "is_mode": "trunc", "is_band": [0.0, 2.0], "train_threads": None}
 

@@ -24,4 +24,5 @@ class MaxDigit(Env):
                 yield {"prompt": f"{a}?{b}=", "label": str(max(a, b))}
 
     async def step(self, state):
-        return Result(reward=float(state.action == state.label))
+        # Exactly the digit, then the end of the turn: no padding, no stray tokens.
+        return Result(reward=float(state.action == state.label and state.finish_reason == "stop"))
