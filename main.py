@@ -66,6 +66,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dual_clip", type=float, default=None, help="dual-clip bound c > 1 for negative advantages")
     g.add_argument("--gamma", type=float, default=1.0, help="discount over action tokens")
     g.add_argument("--lam", type=float, default=1.0, help="GAE lambda")
+    g.add_argument("--loss_agg", default="token_mean", help=f"loss normalization: {', '.join(losses.LOSS_AGGS)} "
+                   "(token_mean divides by the action tokens of the whole optimizer step)")
+    g.add_argument("--kl_coef", type=float, default=0.0, help="weight of the KL to the reference model "
+                   "(with on_policy_distill: of the reverse KL to the teacher)")
+    g.add_argument("--kl_estimator", default="k3", help=f"KL estimator: {', '.join(losses.KL_ESTIMATORS)}")
+    g.add_argument("--kl_loss", action="store_true", help="add kl_coef * KL as a loss term")
+    g.add_argument("--kl_in_reward", action="store_true", help="subtract kl_coef * KL from the per-token reward")
+    g.add_argument("--ref_model", default=None, help="reference/teacher model folder (default: the initial policy)")
+    g.add_argument("--entropy_coef", type=float, default=0.0, help="entropy bonus weight")
+    g.add_argument("--reward_clip", type=float, default=None, help="clip rewards to [-c, c] before the estimator")
+    g.add_argument("--critic_model", default=None, help="critic init for gae (default: the policy's weights)")
+    g.add_argument("--critic_lr", type=float, default=None, help="critic learning rate (default: --lr)")
+    g.add_argument("--value_clip", type=float, default=0.2, help="clip range of the critic's value loss (gae)")
     g.add_argument("--is_level", default="token", help=f"train/rollout mismatch correction: {', '.join(losses.IS_LEVELS)}")
     g.add_argument("--is_mode", default="trunc", help=f"how IS weights act: {', '.join(losses.IS_MODES)}")
     g.add_argument("--is_band", type=float, nargs=2, default=[0.0, 2.0], metavar=("LOW", "HIGH"),
@@ -110,8 +123,25 @@ def validate(cfg: dict) -> dict:
     need(cfg["async_depth"] >= 0, f"--async_depth must be >= 0, got {cfg['async_depth']}")
     need(cfg["estimator"] not in estimators.GROUP_ESTIMATORS or cfg["samples_per_prompt"] > 1,
          f"--estimator {cfg['estimator']} compares rollouts of the same prompt and needs --samples_per_prompt >= 2")
-    need(cfg["estimator"] not in ("gae", "on_policy_distill"),
-         f"--estimator {cfg['estimator']} needs a critic or a teacher model, which this trainer does not load yet")
+    need(cfg["loss_agg"] in losses.LOSS_AGGS, f"--loss_agg {cfg['loss_agg']!r} is unknown; choose from {', '.join(losses.LOSS_AGGS)}")
+    need(cfg["kl_estimator"] in losses.KL_ESTIMATORS,
+         f"--kl_estimator {cfg['kl_estimator']!r} is unknown; choose from {', '.join(losses.KL_ESTIMATORS)}")
+    need(cfg["kl_coef"] >= 0, "--kl_coef must be >= 0")
+    need(not (cfg["kl_loss"] and cfg["kl_in_reward"]), "choose one of --kl_loss and --kl_in_reward, not both")
+    if cfg["estimator"] == "on_policy_distill":
+        need(cfg["ref_model"] is not None and cfg["kl_coef"] > 0,
+             "--estimator on_policy_distill needs a teacher (--ref_model PATH) and --kl_coef > 0")
+        need(not (cfg["kl_loss"] or cfg["kl_in_reward"]), "on_policy_distill already uses the KL as its advantage; "
+             "drop --kl_loss/--kl_in_reward")
+    elif cfg["kl_coef"] > 0:
+        need(cfg["kl_loss"] or cfg["kl_in_reward"], "--kl_coef > 0: say where the KL goes, --kl_loss or --kl_in_reward")
+    else:
+        need(not (cfg["kl_loss"] or cfg["kl_in_reward"]), "--kl_loss/--kl_in_reward need --kl_coef > 0")
+    need(not cfg["kl_in_reward"] or cfg["estimator"] in ("reinforce", "reinforce_pp", "reinforce_pp_baseline", "gae"),
+         f"--estimator {cfg['estimator']} normalizes a sequence reward; put the KL in the loss (--kl_loss)")
+    need(cfg["reward_clip"] is None or cfg["reward_clip"] > 0, "--reward_clip must be > 0")
+    need(cfg["estimator"] == "gae" or (cfg["critic_model"] is None and cfg["critic_lr"] is None),
+         "--critic_model/--critic_lr only apply to --estimator gae")
     need(cfg["temperature"] > 0, "--temperature must be > 0 (logprobs of greedy decoding are not a policy)")
     need(0 < cfg["top_p"] <= 1, "--top_p must be in (0, 1]")
     need(cfg["lr"] > 0, "--lr must be > 0")
@@ -132,6 +162,9 @@ def validate(cfg: dict) -> dict:
     need(model.is_dir() and (model / "config.json").is_file(),
          f"--model {cfg['model']}: not a model folder (expected a directory with config.json)")
     cfg["model"] = str(model.resolve())
+    for key in ("ref_model", "critic_model"):
+        need(cfg[key] is None or (Path(cfg[key]) / "config.json").is_file(),
+             f"--{key} {cfg[key]}: not a model folder (expected a directory with config.json)")
     need(Path(cfg["agent"]).is_file(), f"--agent {cfg['agent']}: no such file")
     need(cfg["dataset"] is None or Path(cfg["dataset"]).is_file(), f"--dataset {cfg['dataset']}: no such file")
     return cfg

@@ -71,6 +71,11 @@ def build_tiny_model(path: str, seed: int = 0) -> str:
     return str(out)
 
 
+def needs_reference(cfg: dict) -> bool:
+    """A frozen reference model is loaded only when something uses it."""
+    return cfg["estimator"] == "on_policy_distill" or (cfg["kl_coef"] > 0 and (cfg["kl_loss"] or cfg["kl_in_reward"]))
+
+
 def collate(trajectories: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad trajectories; every [B, T] tensor is aligned to *predicted*
     tokens: position t holds token t+1 and what is known about it."""
@@ -92,8 +97,28 @@ def collate(trajectories: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     }
 
 
+class ValueModel(torch.nn.Module):
+    """The critic for --estimator gae: the policy's backbone with a scalar head."""
+
+    def __init__(self, path: str):
+        from transformers import AutoModel
+        super().__init__()
+        self.model = AutoModel.from_pretrained(path, dtype=torch.float32)  # the decoder, no LM head
+        self.head = torch.nn.Linear(self.model.config.hidden_size, 1)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(input_ids=input_ids).last_hidden_state  # [b, T, H]
+        return self.head(hidden.float()).squeeze(-1)                 # [b, T]: V before token t+1
+
+
 class Trainer:
-    """One trainer rank. `cfg` is the dict of main.py's flags."""
+    """One trainer rank. `cfg` is the dict of main.py's flags.
+
+    Models: the policy (trained), a frozen reference (only when a KL term or
+    on-policy distillation needs one; `--ref_model` or the initial policy) and
+    a critic (only for gae). All are FSDP2-sharded the same way."""
 
     def __init__(self, cfg: dict, rank: int = 0, world_size: int = 1,
                  master_addr: str = "127.0.0.1", master_port: int = 0):
@@ -109,103 +134,161 @@ class Trainer:
         self.mesh = self.dims.build_mesh(self.device)
         self.dtype = getattr(torch, cfg["param_dtype"])
         self.tokenizer = AutoTokenizer.from_pretrained(cfg["model"])
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=torch.float32)
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
-        self.model = parallel.apply_fsdp(model.to(self.device), self.mesh, param_dtype=self.dtype)
+        self.model = self._shard(model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg["lr"], betas=(0.9, 0.99),
                                            weight_decay=cfg["weight_decay"], eps=1e-8)
+        self.ref = None
+        if needs_reference(cfg):
+            self.ref = self._shard(AutoModelForCausalLM.from_pretrained(cfg["ref_model"] or cfg["model"],
+                                                                        dtype=torch.float32))
+            self.ref.requires_grad_(False).eval()
+        self.critic = self.critic_optimizer = None
+        if cfg["estimator"] == "gae":
+            self.critic = self._shard(ValueModel(cfg["critic_model"] or cfg["model"]))
+            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=cfg["critic_lr"] or cfg["lr"],
+                                                      betas=(0.9, 0.99), weight_decay=cfg["weight_decay"])
         self.version = 0
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+    def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        return parallel.apply_fsdp(model.to(self.device), self.mesh, param_dtype=self.dtype)
 
     # ---- logprobs -------------------------------------------------------------------------
-    def _logprobs(self, input_ids: torch.Tensor, targets: torch.Tensor,
-                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        logits = self.model(input_ids=input_ids.to(self.device)).logits.float()  # [b, T, V]
-        lp = losses.token_logprobs(logits, targets.to(self.device), self.cfg["temperature"])
-        ent = losses.entropy(logits / self.cfg["temperature"]) if with_entropy else None
-        return lp, ent
-
-    def _micro_batches(self, B: int) -> list[slice]:
-        size = self.cfg["micro_batch_size"]
-        return [slice(i, min(i + size, B)) for i in range(0, B, size)]
+    def _forward(self, model, input_ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprobs of targets [b, T], logits / temperature [b, T, V]) under `model`."""
+        logits = model(input_ids=input_ids.to(self.device)).logits.float() / self.cfg["temperature"]
+        return losses.token_logprobs(logits, targets.to(self.device)), logits
 
     @torch.no_grad()
     def compute_logprobs(self, trajectories: list[dict]) -> list[list[float]]:
         """Trainer logprobs of each trajectory's tokens (position t scores token t+1)."""
         batch = collate(trajectories, self.pad_id)
         out = []
-        for mb in self._micro_batches(len(trajectories)):
-            lp, _ = self._logprobs(batch["input_ids"][mb], batch["targets"][mb])
-            out += lp.cpu().tolist()
+        for mb in torch.arange(len(trajectories)).split(self.cfg["micro_batch_size"]):
+            out += self._forward(self.model, batch["input_ids"][mb], batch["targets"][mb])[0].cpu().tolist()
         return [row[:len(t["tokens"]) - 1] for row, t in zip(out, trajectories)]
+
+    @torch.no_grad()
+    def _score(self, batch: dict) -> dict[str, torch.Tensor]:
+        """Everything computed once per step before any update: old logprobs and entropy
+        (policy at the version that sampled), reference logprobs, old values."""
+        self.model.eval()
+        B = batch["mask"].shape[0]
+        out = {k: torch.zeros_like(batch["mask"]) for k in ("old", "entropy", "ref", "values")}
+        for mb in torch.arange(B).split(self.cfg["micro_batch_size"]):
+            ids, tgt = batch["input_ids"][mb], batch["targets"][mb]
+            lp, logits = self._forward(self.model, ids, tgt)
+            out["old"][mb], out["entropy"][mb] = lp.cpu(), losses.entropy(logits).cpu()
+            if self.ref is not None:
+                out["ref"][mb] = self._forward(self.ref, ids, tgt)[0].cpu()
+            if self.critic is not None:
+                out["values"][mb] = self.critic(ids.to(self.device)).cpu()
+        return out
 
     # ---- one RL step ------------------------------------------------------------------------
     def train_step(self, trajectories: list[dict]) -> dict:
         t0 = time.perf_counter()
         cfg = self.cfg
         batch = collate(trajectories, self.pad_id)
-        mask = batch["mask"]
+        mask, rewards = batch["mask"], batch["rewards"]
+        if cfg["reward_clip"] is not None:
+            rewards = rewards.clamp(-cfg["reward_clip"], cfg["reward_clip"])
         B = mask.shape[0]
-        mbs = self._micro_batches(B)
+        scored = self._score(batch)
+        old, ref, old_values = scored["old"], scored["ref"], scored["values"]
 
-        # Old logprobs under the weights that the engine also has (version v).
-        self.model.eval()
-        old, ent = torch.zeros_like(mask), torch.zeros_like(mask)
-        with torch.no_grad():
-            for mb in mbs:
-                lp, e = self._logprobs(batch["input_ids"][mb], batch["targets"][mb], with_entropy=True)
-                old[mb], ent[mb] = lp.cpu(), e.cpu()
         weights, is_metrics = losses.is_weights(old, batch["rollout_logprobs"], mask,
                                                 level=cfg["is_level"], mode=cfg["is_mode"],
                                                 low=cfg["is_band"][0], high=cfg["is_band"][1])
-        advantages, _ = estimators.ESTIMATORS[cfg["estimator"]](
-            batch["rewards"], mask, batch["groups"], rollout_ids=batch["rollout_ids"],
-            gamma=cfg["gamma"], lam=cfg["lam"])
+        # KL enters the advantage for --kl_in_reward, and is the whole signal for distillation.
+        kl, kl_coef = None, 0.0
+        if cfg["estimator"] == "on_policy_distill":
+            kl, kl_coef = old - ref, cfg["kl_coef"]             # reverse-KL log-ratio to the teacher
+        elif cfg["kl_in_reward"]:
+            kl, kl_coef = losses.kl(old, ref, cfg["kl_estimator"]), cfg["kl_coef"]
+        advantages, returns = estimators.ESTIMATORS[cfg["estimator"]](
+            rewards, mask, batch["groups"], rollout_ids=batch["rollout_ids"], kl=kl, kl_coef=kl_coef,
+            values=old_values if self.critic is not None else None, gamma=cfg["gamma"], lam=cfg["lam"])
 
         # PPO: --ppo_epochs passes over the batch, each split into --mini_batches optimizer
-        # steps; each micro-batch is normalized by the action tokens of its optimizer step.
+        # steps; every micro-batch is normalized by the tokens (or rows) of its optimizer step.
         self.model.train()
         shuffle = torch.Generator().manual_seed(cfg["seed"] * 100_003 + self.version)
-        totals = {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0}
+        totals: dict[str, float] = {}
         updates = 0
         for _ in range(cfg["ppo_epochs"]):
             order = torch.randperm(B, generator=shuffle) if cfg["mini_batches"] > 1 else torch.arange(B)
             for rows in order.chunk(cfg["mini_batches"]):
-                num_tokens = mask[rows].sum().clamp(min=1)
+                step_tokens, step_rows = mask[rows].sum().clamp(min=1), len(rows)
                 for mb in rows.split(cfg["micro_batch_size"]):
-                    lp, _ = self._logprobs(batch["input_ids"][mb], batch["targets"][mb])
-                    m = mask[mb].to(lp.device)
-                    per_token, pm = losses.policy_loss(
-                        cfg["loss"], lp, old[mb].to(lp.device), advantages[mb].to(lp.device), m,
-                        eps_low=cfg["eps_clip"][0], eps_high=cfg["eps_clip"][1], dual_clip=cfg["dual_clip"])
-                    per_token = per_token * weights[mb].to(lp.device)
-                    loss = losses.aggregate(per_token, m, "token_mean", num_tokens=num_tokens)
-                    loss.backward()
-                    totals["loss"] += loss.item()
-                    totals["clip_frac"] += float(pm["clip_frac"]) * m.sum().item() / num_tokens.item()
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg["grad_clip"])
-                grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-                if math.isfinite(grad_norm):  # a NaN/inf gradient skips the update, never poisons it
-                    self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                totals["grad_norm"] += grad_norm
+                    parts = self._micro_loss(batch, mb, old, ref, advantages, weights, step_tokens, step_rows)
+                    if self.critic is not None:
+                        parts.update(self._critic_loss(batch, mb, old_values, returns, step_tokens))
+                    sum(v for k, v in parts.items() if k.endswith("loss")).backward()
+                    for k, v in parts.items():
+                        totals[k] = totals.get(k, 0.0) + float(v)
+                totals["grad_norm"] = totals.get("grad_norm", 0.0) + self._step(self.model, self.optimizer)
+                if self.critic is not None:
+                    totals["critic_grad_norm"] = (totals.get("critic_grad_norm", 0.0)
+                                                  + self._step(self.critic, self.critic_optimizer))
                 updates += 1
         self.version += 1
-        num_tokens = mask.sum()
 
         action = mask.bool()
-        metrics = {
-            **{k: v / updates for k, v in totals.items()},
+        metrics = {k: v / updates for k, v in totals.items()}
+        metrics.update({
             "optimizer_steps": updates,
-            "entropy": ent[action].mean().item(),
+            "entropy": scored["entropy"][action].mean().item(),
+            "advantage_mean": advantages[action].mean().item(),
             "advantage_abs": advantages[action].abs().mean().item(),
-            "action_tokens": int(num_tokens.item()),
+            "action_tokens": int(action.sum()),
             "staleness": (self.version - 1 - batch["versions"][action]).float().mean().item(),
+            "mismatch_max": (old - batch["rollout_logprobs"])[action].abs().max().item(),
             "train_s": time.perf_counter() - t0,
-        }
-        metrics.update({k: float(v) for k, v in is_metrics.items()})
-        metrics["mismatch_max"] = (old - batch["rollout_logprobs"])[action].abs().max().item()
+            **{k: float(v) for k, v in is_metrics.items()},
+        })
+        if self.ref is not None:
+            metrics["ref_kl_k3"] = losses.kl(old, ref, "k3")[action].mean().item()
+        if self.critic is not None:
+            metrics["value_mean"] = old_values[action].mean().item()
         return metrics
+
+    def _micro_loss(self, batch, mb, old, ref, advantages, weights, step_tokens, step_rows) -> dict:
+        """Policy loss (+ KL loss, - entropy bonus) of one micro-batch, already normalized."""
+        cfg = self.cfg
+        lp, logits = self._forward(self.model, batch["input_ids"][mb], batch["targets"][mb])
+        dev = lp.device
+        m = batch["mask"][mb].to(dev)
+        per_token, pm = losses.policy_loss(cfg["loss"], lp, old[mb].to(dev), advantages[mb].to(dev), m,
+                                           eps_low=cfg["eps_clip"][0], eps_high=cfg["eps_clip"][1],
+                                           dual_clip=cfg["dual_clip"])
+        agg = lambda x: losses.aggregate(x, m, cfg["loss_agg"], num_tokens=step_tokens, num_seqs=step_rows)
+        share = m.sum().item() / step_tokens.item()  # this micro-batch's share of the step's tokens
+        parts = {"policy_loss": agg(per_token * weights[mb].to(dev)),
+                 "clip_frac": float(pm["clip_frac"]) * share}
+        if cfg["kl_loss"]:
+            parts["kl_loss"] = cfg["kl_coef"] * agg(losses.kl(lp, ref[mb].to(dev), cfg["kl_estimator"]))
+        if cfg["entropy_coef"]:
+            parts["entropy_loss"] = -cfg["entropy_coef"] * agg(losses.entropy(logits))
+        return parts
+
+    def _critic_loss(self, batch, mb, old_values, returns, step_tokens) -> dict:
+        m = batch["mask"][mb].to(self.device)
+        values = self.critic(batch["input_ids"][mb].to(self.device))
+        per_token = losses.value_loss(values, old_values[mb].to(self.device), returns[mb].to(self.device), m,
+                                      self.cfg["value_clip"])
+        return {"value_loss": losses.aggregate(per_token, m, "token_mean", num_tokens=step_tokens)}
+
+    def _step(self, model, optimizer) -> float:
+        """Clip, step (skipped on a non-finite norm: never poison the weights), zero grads."""
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg["grad_clip"])
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if math.isfinite(norm):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return norm
 
     # ---- weights out ----------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -32,16 +32,19 @@ async def _make(model):
     return Generator(model, max_len=128, seed=0)
 
 
-def _cfg(model):
-    return {"model": model, "seed": 0, "param_dtype": "float32", "lr": 1e-2, "weight_decay": 0.0,
-            "temperature": TEMPERATURE, "micro_batch_size": 8, "mini_batches": 2, "ppo_epochs": 1, "estimator": "grpo", "loss": "ppo",
-            "eps_clip": [0.2, 0.2], "dual_clip": None, "gamma": 1.0, "lam": 1.0, "grad_clip": 1.0,
-            "is_level": "token", "is_mode": "trunc", "is_band": [0.0, 2.0], "train_threads": None}
+def trainer_cfg(model: str, **overrides) -> dict:
+    """main.py's defaults for the tiny model, validated, with `overrides`."""
+    import main
+    args = ["--model", model, "--temperature", str(TEMPERATURE), "--lr", "1e-2", "--micro_batch_size", "8",
+            "--mini_batches", "2"]
+    for k, v in overrides.items():
+        args += [f"--{k}", *map(str, v if isinstance(v, (list, tuple)) else [v])] if v is not True else [f"--{k}"]
+    return main.validate(vars(main.build_parser().parse_args(args)))
 
 
 @pytest.fixture(scope="module")
 def trainer(tiny_model):
-    return Trainer(_cfg(tiny_model))
+    return Trainer(trainer_cfg(tiny_model))
 
 
 def _sample(engine, loop, tokenizer, n=8):

@@ -35,3 +35,18 @@ def test_missing_paths_are_named(capsys, tmp_path, tiny_model):
 
 def test_unknown_flag_is_refused(capsys):
     assert "unrecognized arguments: --lr_schedule" in _err(capsys, ["--lr_schedule", "cos"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--kl_coef", "0.1"], "say where the KL goes"),
+    (["--kl_loss"], "need --kl_coef > 0"),
+    (["--kl_coef", "0.1", "--kl_loss", "--kl_in_reward"], "not both"),
+    (["--kl_coef", "0.1", "--kl_in_reward"], "--estimator grpo normalizes a sequence reward"),
+    (["--estimator", "on_policy_distill"], "needs a teacher (--ref_model PATH)"),
+    (["--critic_lr", "1e-4"], "only apply to --estimator gae"),
+    (["--kl_estimator", "k4"], "--kl_estimator 'k4' is unknown"),
+    (["--loss_agg", "sum"], "--loss_agg 'sum' is unknown"),
+    (["--ref_model", "/nope", "--kl_coef", "0.1", "--kl_loss"], "--ref_model /nope: not a model folder"),
+])
+def test_unsound_algorithm_combinations_are_refused(capsys, tiny_model, argv, message):
+    assert message in _err(capsys, ["--model", tiny_model, *argv])
