@@ -14,19 +14,62 @@ engine actually saw and sampled, a mask of the policy's own tokens, their
 sampling logprobs and policy versions, and the reward. The sampled text is
 decoded for the agent to read; it is never encoded again.
 
+Or the user owns the loop and talks to the policy with a stock SDK:
+
+    class MyAgent(ChatAgent):
+        async def run(self, ctx):
+            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
+            # or anthropic.AsyncAnthropic(base_url=ctx.anthropic_base_url, api_key=ctx.api_key)
+            reply = await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
+            return Result(reward=...)
+
+`run_chat_agent` opens a session on a `ChatServer` (aiohttp, 127.0.0.1 only,
+in the caller's event loop) that serves `POST /s/<session>/v1/chat/completions`
+(OpenAI) and `POST /s/<session>/v1/messages` (Anthropic). Both decode into one
+token-exact trace per session: the first request is rendered with the chat
+template and tokenized once; a request that extends the previous one (its
+messages, the reply as returned, new messages) appends only the new delta as
+non-trainable tokens; a request that rewrites the prefix (compaction, edited
+history, a template that re-renders old turns) starts a new segment. Segments
+share the rollout's reward. Server rules, so they are written down once:
+
+  - sampling is the run's (`ctx.sampling_params`): a request's temperature,
+    top_p, stop, seed, ... are ignored, so every trained token keeps the run's
+    logprob convention; `n` > 1 and `stream: true` are refused (400);
+  - `max_tokens` (or `max_completion_tokens`) is clamped to the run's
+    per-turn limit and to what is left of `max_len`; with no room left the reply
+    is empty with finish_reason "length" / stop_reason "max_tokens", and
+    nothing is recorded;
+  - the same request body twice in a row (an SDK retry) gets the first reply
+    back and is recorded once;
+  - tools: a template that knows `tools` gets them (and `tool_calls`, `tool`
+    messages) natively; otherwise they are described in the system message and
+    calls are written as `<tool_call>{"name": ..., "arguments": ...}</tool_call>`.
+    A reply with such blocks comes back as OpenAI `tool_calls` / Anthropic
+    `tool_use`; Anthropic `tool_result` blocks become `tool` messages. Text only:
+    image content is refused (400).
+
 Agents are loaded from a file with `load_agent(path)`; prompts come from the
 agent's `prompts(seed)` or from a `--dataset` file (`read_dataset`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import inspect
 import json
+import logging
 import math
+import re
+import secrets
+import socket
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator
+
+log = logging.getLogger("molt")
 
 
 @dataclass
@@ -55,14 +98,16 @@ class State:
     finish_reason: str = "stop"      # "stop" (the model ended its turn) or "length" (cut off)
 
 
-class Env:
-    """Subclass and implement `step`. One instance per rollout."""
-    max_turns: int = 1
-
+class _Agent:
     @classmethod
     def prompts(cls, seed: int) -> Iterator[dict]:
         """Built-in prompt source: an endless iterator of rows {"prompt", "label"}."""
         raise ValueError(f"{cls.__name__} has no built-in prompts: pass --dataset FILE.jsonl")
+
+
+class Env(_Agent):
+    """Subclass and implement `step`. One instance per rollout."""
+    max_turns: int = 1
 
     async def reset(self, row: dict) -> None:
         """Called once before the first turn."""
@@ -99,9 +144,10 @@ class Trajectory:
 Generate = Callable[[list[int], dict], Awaitable[dict]]
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool,
+            tools: list[dict] | None = None) -> str:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                         tokenize=False)
+                                         tokenize=False, tools=tools)
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -124,28 +170,42 @@ def decode_reply(tokenizer, token_ids: list[int]) -> str:
     return tokenizer.decode(token_ids, skip_special_tokens=False)
 
 
-def observation_ids(tokenizer, messages: list[dict], reply_ids: list[int],
-                    observation: str, role: str = "user") -> list[int]:
-    """Token ids that follow the sampled reply when `observation` comes next.
+class PrefixRewrite(ValueError):
+    """The chat template re-renders earlier turns, so the trace cannot just grow."""
 
-    `messages` ends with the assistant reply. The ids are the template's text
-    after the reply (its end-of-turn, if the model did not sample it), the new
-    message and the next generation prompt; the reply itself is not re-encoded."""
-    before = _render(tokenizer, messages[:-1], add_generation_prompt=True)
-    closed = _render(tokenizer, messages, add_generation_prompt=False)
+
+def delta_ids(tokenizer, messages: list[dict], reply_ids: list[int], new: list[dict],
+              tools: list[dict] | None = None) -> list[int]:
+    """Token ids that follow the sampled reply when the messages `new` come next.
+
+    `messages` ends with the assistant reply, its content the sampled text. The
+    ids are the template's text after the reply (its end-of-turn, if the model
+    did not sample it), the new messages and the next generation prompt; the
+    reply itself is not re-encoded. Raises PrefixRewrite if the template does
+    not render the longer conversation by appending."""
+    before = _render(tokenizer, messages[:-1], True, tools)
+    closed = _render(tokenizer, messages, False, tools)
     reply = messages[-1]["content"]
     if not closed.startswith(before + reply):
-        raise ValueError("the chat template rewrites earlier turns; Env traces need a "
-                         "template that only appends (use a ChatAgent to get segments)")
+        raise PrefixRewrite("the chat template renders the reply differently from how it was "
+                            "sampled; an Env needs a template that only appends (a ChatAgent "
+                            "gets a new segment instead)")
     tail = closed[len(before) + len(reply):]            # e.g. "<|im_end|>\n"
     eos = tokenizer.eos_token
     if reply_ids and reply_ids[-1] == tokenizer.eos_token_id and eos and tail.startswith(eos):
         tail = tail[len(eos):]                           # the model sampled it already
-    full = _render(tokenizer, messages + [{"role": role, "content": observation}],
-                   add_generation_prompt=True)
+    full = _render(tokenizer, messages + new, True, tools)
     if not full.startswith(closed):
-        raise ValueError("the chat template does not extend the conversation by appending")
+        raise PrefixRewrite("the chat template re-renders earlier turns when the conversation "
+                            "grows; an Env needs a template that only appends (a ChatAgent "
+                            "gets a new segment instead)")
     return _encode(tokenizer, tail + full[len(closed):])
+
+
+def observation_ids(tokenizer, messages: list[dict], reply_ids: list[int],
+                    observation: str, role: str = "user") -> list[int]:
+    """Token ids that follow the sampled reply when `observation` comes next."""
+    return delta_ids(tokenizer, messages, reply_ids, [{"role": role, "content": observation}])
 
 
 async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
@@ -194,7 +254,7 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
 
 
 def load_agent(path: str) -> type:
-    """Load the one Env subclass defined in the Python file at `path`."""
+    """Load the one Env or ChatAgent subclass defined in the Python file at `path`."""
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"--agent {path}: no such file")
@@ -202,11 +262,12 @@ def load_agent(path: str) -> type:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     found = [obj for obj in vars(module).values()
-             if inspect.isclass(obj) and issubclass(obj, Env) and obj is not Env
+             if inspect.isclass(obj) and issubclass(obj, (Env, ChatAgent))
              and obj.__module__ == module.__name__]
     if len(found) != 1:
         names = ", ".join(c.__name__ for c in found) or "none"
-        raise ValueError(f"--agent {path}: expected exactly one Env subclass defined in the file, found {names}")
+        raise ValueError(f"--agent {path}: expected exactly one Env subclass (or one ChatAgent "
+                         f"subclass) defined in the file, found {names}")
     return found[0]
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import agent as agents
 from generator import Generator
-from trainer import Trainer
+from trainer import TrainerGroup
 
 log = logging.getLogger("molt")
 ROOT = str(Path(__file__).resolve().parent)
@@ -187,9 +187,9 @@ async def train(cfg: dict, generator, trainer, agent_cls: type, tokenizer, on_st
 
             trajs = [asdict(t) for g in groups for t in g["trajectories"]]
             metrics = {"step": step + 1, **batch_metrics(groups, version)}
-            metrics.update(await trainer.train_step.remote(trajs))
+            metrics.update(await trainer.train_step(trajs))
             t_sync = time.perf_counter()
-            sync_s = await generator.update_weights.remote(trainer.weights_blob.remote(), version + 1)
+            sync_s = await generator.update_weights.remote(trainer.weights_blob(), version + 1)
             version += 1
             busy = await generator.take_busy_seconds.remote()
             step_s = time.perf_counter() - t_step
@@ -237,8 +237,8 @@ def run(cfg: dict) -> dict:
         generator = ray.remote(Generator).options(num_cpus=0, max_concurrency=10_000).remote(
             cfg["model"], dtype=cfg["param_dtype"], max_len=cfg["max_len"], seed=cfg["seed"],
             gpu_memory_utilization=cfg["gpu_memory_utilization"])
-        trainer = ray.remote(Trainer).options(num_cpus=0).remote(cfg)
-        ray.get([generator.get_version.remote(), trainer.get_version.remote()])
+        trainer = TrainerGroup(cfg)
+        ray.get([generator.get_version.remote(), *trainer.ready()])
         setup_s = time.perf_counter() - t0
 
         metrics_file = (out / "metrics.jsonl").open("a")
@@ -254,7 +254,7 @@ def run(cfg: dict) -> dict:
         history = asyncio.run(train(cfg, generator, trainer, agent_cls, tokenizer, on_step))
         bar.close()
         metrics_file.close()
-        final = ray.get(trainer.export.remote(str(out / "final")))
+        final = ray.get(trainer.call("export", str(out / "final")))
         ray.get(generator.shutdown.remote())
     finally:
         ray.shutdown()

@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="trainer compute dtype and engine dtype")
     g.add_argument("--train_threads", type=int, default=None, help="torch threads in the trainer (default: torch's)")
 
+    g = p.add_argument_group("scale")
+    g.add_argument("--train_workers", type=int, default=1, help="trainer ranks (Ray actors in one process group)")
+
     g = p.add_argument_group("infrastructure")
     g.add_argument("--ray_address", default=None, help="Ray cluster address (default: start a local one)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -116,7 +119,7 @@ def validate(cfg: dict) -> dict:
     need(cfg["is_level"] in ("off", "token") or cfg["is_mode"] == "mask",
          f"--is_level {cfg['is_level']} filters whole sequences and needs --is_mode mask")
     for k in ("steps", "prompts_per_step", "samples_per_prompt", "max_new_tokens", "max_len", "micro_batch_size",
-              "mini_batches", "ppo_epochs"):
+              "mini_batches", "ppo_epochs", "train_workers"):
         need(cfg[k] >= 1, f"--{k} must be >= 1, got {cfg[k]}")
     need(cfg["mini_batches"] <= cfg["prompts_per_step"] * cfg["samples_per_prompt"],
          "--mini_batches cannot exceed the rollouts per step (prompts_per_step * samples_per_prompt)")

@@ -20,6 +20,7 @@ offline character tokenizer.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
@@ -317,3 +318,43 @@ class Trainer:
 
     def get_version(self) -> int:
         return self.version
+
+
+class TrainerGroup:
+    """The trainer ranks as Ray actors forming one process group; the loop talks
+    to the group, and every collective (the step, the full state dict) runs on
+    all ranks. Rows are split across data-parallel ranks balanced by tokens."""
+
+    def __init__(self, cfg: dict):
+        import ray
+        n = cfg["train_workers"]
+        addr, port = ray.util.get_node_ip_address(), parallel.free_port()
+        self.workers = [ray.remote(Trainer).options(num_cpus=0).remote(cfg, rank, n, addr, port)
+                        for rank in range(n)]
+
+    def ready(self) -> list:
+        return [w.get_version.remote() for w in self.workers]
+
+    async def train_step(self, trajectories: list[dict]) -> dict:
+        parts = split_balanced(trajectories, len(self.workers))
+        results = await asyncio.gather(*[w.train_step.remote(p) for w, p in zip(self.workers, parts)])
+        return results[0]
+
+    def weights_blob(self):
+        """A Ray ref to rank 0's blob (every rank joins the gather)."""
+        return [w.weights_blob.remote() for w in self.workers][0]
+
+    def call(self, method: str, *args):
+        """Run `method` on every rank; returns rank 0's result ref."""
+        return [getattr(w, method).remote(*args) for w in self.workers][0]
+
+
+def split_balanced(trajectories: list[dict], n: int) -> list[list[dict]]:
+    """Greedy split into n parts of near-equal token count (longest first)."""
+    parts: list[list[dict]] = [[] for _ in range(n)]
+    loads = [0] * n
+    for t in sorted(trajectories, key=lambda t: -len(t["tokens"])):
+        i = loads.index(min(loads))
+        parts[i].append(t)
+        loads[i] += len(t["tokens"])
+    return parts
