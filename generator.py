@@ -28,10 +28,9 @@ import os
 import time
 
 import safetensors.torch
-import torch
 
 # Keys of the sampling dict an agent or the loop may set per request.
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed")
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed", "ignore_eos")
 
 
 class WeightReceiver:
@@ -57,7 +56,8 @@ class Generator:
 
     def __init__(self, model: str, *, dtype: str = "float32", max_len: int = 512,
                  seed: int = 0, gpu_memory_utilization: float = 0.5,
-                 prefix_caching: bool = True, enforce_eager: bool = True):
+                 prefix_caching: bool = True, enforce_eager: bool = True,
+                 partial_rollout: bool = False):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; CPU only
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -70,6 +70,7 @@ class Generator:
             worker_extension_cls="generator.WeightReceiver",
         )
         self.engine = AsyncLLM.from_engine_args(args)
+        self.partial_rollout = partial_rollout
         self.version = 0          # policy version of the weights now loaded
         self._ids = itertools.count()
         self.busy_s = 0.0         # wall time with at least one request running
@@ -77,45 +78,63 @@ class Generator:
         self._busy_since = 0.0
 
     async def generate(self, prompt_ids: list[int], sampling: dict) -> dict:
-        """Sample one completion. Returns token_ids, logprobs (one per token),
-        version (policy version that sampled it) and finish_reason."""
+        """Sample one completion. Returns token_ids, logprobs and versions (one per
+        token: the policy version that sampled it), version (of the first token)
+        and finish_reason."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         unknown = set(sampling) - set(SAMPLING_KEYS)
         if unknown:
             raise ValueError(f"unknown sampling keys {sorted(unknown)}; allowed: {SAMPLING_KEYS}")
-        params = SamplingParams(**sampling, logprobs=0, detokenize=False)
+        # With partial rollout a request can outlive a weight update: stream the
+        # tokens so each is stamped with the version that was loaded when it came out.
+        kind = RequestOutputKind.DELTA if self.partial_rollout else RequestOutputKind.FINAL_ONLY
+        params = SamplingParams(**sampling, logprobs=0, detokenize=False, output_kind=kind)
+        token_ids, logprobs, versions, finish = [], [], [], None
         self._enter()
         try:
-            version = self.version
-            final = None
-            async for out in self.engine.generate(
-                TokensPrompt(prompt_token_ids=list(prompt_ids)), params,
-                request_id=f"r{next(self._ids)}"):
-                final = out
+            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params,
+                                                  request_id=f"r{next(self._ids)}"):
+                comp = out.outputs[0]
+                new = list(comp.token_ids)
+                token_ids += new
+                logprobs += [step[tok].logprob for step, tok in zip(comp.logprobs, new)]
+                versions += [self.version] * len(new)
+                finish = comp.finish_reason
         finally:
             self._exit()
-        comp = final.outputs[0]
-        token_ids = list(comp.token_ids)
-        logprobs = [step[tok].logprob for step, tok in zip(comp.logprobs, token_ids)]
-        return {"token_ids": token_ids, "logprobs": logprobs, "version": version,
-                "finish_reason": comp.finish_reason}
+        return {"token_ids": token_ids, "logprobs": logprobs, "versions": versions,
+                "version": versions[0] if versions else self.version, "finish_reason": finish}
 
     async def update_weights(self, blob: bytes, version: int) -> float:
         """Load new weights into the running engine; returns seconds taken.
 
-        In-flight requests finish on the old weights first (pause mode "wait"),
-        so every request is sampled by exactly one policy version."""
+        Without partial rollout, in-flight requests finish on the old weights first
+        (pause mode "wait"): every request has one version. With it, they are frozen
+        ("keep"), their KV is dropped and recomputed under the new weights on
+        resume, and their later tokens carry the new version."""
         t0 = time.perf_counter()
-        await self.engine.pause_generation(mode="wait", clear_cache=True)
+        await self.engine.pause_generation(mode="keep" if self.partial_rollout else "wait", clear_cache=True)
         try:
             await self.engine.collective_rpc("molt_load_weights", args=(blob,))
             await self.engine.reset_prefix_cache()  # no KV from old weights survives
+            await self._drain()
             self.version = version
         finally:
             await self.engine.resume_generation()
         return time.perf_counter() - t0
+
+    async def _drain(self, timeout: float = 5.0):
+        """Wait until every output produced before the pause has reached its request
+        (so no old-version token is stamped with the new version)."""
+        states = self.engine.output_processor.request_states
+        deadline = time.perf_counter() + timeout
+        while any(s.queue is not None and s.queue.output is not None for s in states.values()):
+            if time.perf_counter() > deadline:
+                raise RuntimeError("vLLM outputs did not drain after pausing for a weight update")
+            await asyncio.sleep(0.001)
 
     def get_version(self) -> int:
         return self.version

@@ -102,3 +102,36 @@ def test_weight_sync_matches_a_plain_transformers_forward(engine, trainer, loop,
         ref = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
         sampled = torch.tensor(traj["mask"][1:]).bool()
         assert torch.allclose(ref[sampled], torch.tensor(traj["logprobs"][1:])[sampled], atol=1e-4)
+
+
+def test_partial_rollout_keeps_requests_across_a_weight_update(engine, trainer, loop, tiny_tokenizer, tmp_path):
+    """One sequence, two policy versions: each token carries the logprob of the
+    weights that sampled it (old before the update, new after, KV recomputed)."""
+    from transformers import AutoModelForCausalLM
+    old_model = AutoModelForCausalLM.from_pretrained(trainer.export(str(tmp_path / "old")), dtype=torch.float32)
+    trainer.train_step(_sample(engine, loop, tiny_tokenizer))
+    new_model = AutoModelForCausalLM.from_pretrained(trainer.export(str(tmp_path / "new")), dtype=torch.float32)
+    prompt = tiny_tokenizer.apply_chat_template([{"role": "user", "content": "1?2="}],
+                                                add_generation_prompt=True, tokenize=True)["input_ids"]
+    engine.partial_rollout = True
+    try:
+        async def scenario():
+            task = asyncio.create_task(engine.generate(
+                prompt, {"temperature": TEMPERATURE, "max_tokens": 115, "ignore_eos": True}))
+            await asyncio.sleep(0.1)
+            await engine.update_weights(trainer.weights_blob(), trainer.version)
+            return await task
+        out = loop.run_until_complete(scenario())
+    finally:
+        engine.partial_rollout = False
+    versions = out["versions"]
+    assert len(out["token_ids"]) == 115 and versions[0] == trainer.version - 1 and versions[-1] == trainer.version
+    assert versions == sorted(versions), "versions only move forward within a sequence"
+    ids = torch.tensor([prompt + out["token_ids"]])
+    for model, v in ((old_model, trainer.version - 1), (new_model, trainer.version)):
+        with torch.no_grad():
+            lp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1] / TEMPERATURE, -1)
+        ref = lp.gather(-1, ids[0, len(prompt):, None])[:, 0]
+        mine = torch.tensor([v_ == v for v_ in versions])
+        assert mine.any()
+        assert torch.allclose(ref[mine], torch.tensor(out["logprobs"])[mine], atol=1e-3), v
