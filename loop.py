@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import sys
 import time
 import traceback
@@ -64,6 +65,7 @@ class RolloutPool:
         self.refill = 0           # extra groups allowed to replace dropped ones
         self.tasks: set[asyncio.Task] = set()
         self.drops: Counter = Counter()
+        self.filtered = 0         # groups dropped by --filter_groups
         self.logged: set[str] = set()
         self.rollout_ids = itertools.count()
 
@@ -140,73 +142,155 @@ class EngineClient:
         return isinstance(e, ray.exceptions.RayError)
 
 
-def batch_metrics(groups: list[dict], step: int) -> dict:
-    trajs = [t for g in groups for t in g["trajectories"]]
-    rewards = [t.reward for t in trajs]
+def batch_metrics(trajs: list[dict]) -> dict:
+    rewards = [t["reward"] for t in trajs]
     mean = sum(rewards) / len(rewards)
-    info_keys = sorted({k for t in trajs for k in t.info})
+    info_keys = sorted({k for t in trajs for k in t["info"]})
     return {
         "reward_mean": mean,
         "reward_std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,
-        "score_mean": sum(t.score for t in trajs) / len(trajs),
-        "response_len": sum(t.num_sampled for t in trajs) / len(trajs),
+        "score_mean": sum(t["score"] for t in trajs) / len(trajs),
+        "response_len": sum(sum(t["mask"]) for t in trajs) / len(trajs),
         "rollouts": len(trajs),
-        "start_version_lag": step - min(g["start_version"] for g in groups),
-        **{f"info/{k}": sum(t.info.get(k, 0.0) for t in trajs) / len(trajs) for k in info_keys},
+        **{f"info/{k}": sum(t["info"].get(k, 0.0) for t in trajs) / len(trajs) for k in info_keys},
     }
 
 
-async def train(cfg: dict, generator, trainer, agent_cls: type, tokenizer, on_step) -> list[dict]:
-    """The loop itself. Returns the per-step metrics."""
-    import ray
-
+async def collect(pool: RolloutPool, cfg: dict, version: int, first_step: bool) -> list[dict]:
+    """Wait for --prompts_per_step usable groups; empty (all rollouts dropped) and, with
+    --filter_groups, all-equal-reward groups are replaced by new ones from the pool."""
     P, K = cfg["prompts_per_step"], cfg["async_depth"]
-    client = EngineClient(generator)
-    pool = RolloutPool(cfg, agent_cls, prompt_rows(cfg, agent_cls), client, tokenizer)
-    history = []
-    version = 0  # policy version now in the engine
-    try:
-        for step in range(cfg["steps"]):
-            t_step = time.perf_counter()
-            groups, empty = [], 0
-            pool.fill((version + K + 1) * P)
-            while len(groups) < P:
-                group = await pool.done.get()
-                if isinstance(group, BaseException):
-                    raise group  # an engine failure: stop with its error
-                if not group["trajectories"]:
-                    empty += 1
-                    pool.refill += 1
-                    if empty >= P and not history and not groups:
-                        raise RuntimeError(f"every rollout of the first {empty} groups failed "
-                                           f"({dict(pool.drops)}); see the tracebacks above")
-                else:
-                    groups.append(group)
-                pool.fill((version + K + 1) * P)
-            t_gen = time.perf_counter() - t_step
+    groups, empty = [], 0
+    pool.fill((version + K + 1) * P)
+    while len(groups) < P:
+        group = await pool.done.get()
+        if isinstance(group, BaseException):
+            raise group  # an engine failure: stop with its error
+        rewards = [t.reward for t in group["trajectories"]]
+        if not rewards:
+            empty += 1
+            pool.refill += 1
+            if empty >= P and first_step and not groups:
+                raise RuntimeError(f"every rollout of the first {empty} groups failed "
+                                   f"({dict(pool.drops)}); see the tracebacks above")
+        elif cfg["filter_groups"] and len(rewards) > 1 and max(rewards) == min(rewards):
+            pool.filtered += 1  # no signal in this group: replace it
+            pool.refill += 1
+        else:
+            groups.append(group)
+        pool.fill((version + K + 1) * P)
+    return groups
 
-            trajs = [asdict(t) for g in groups for t in g["trajectories"]]
-            metrics = {"step": step + 1, **batch_metrics(groups, version)}
+
+async def evaluate(cfg: dict, client, agent_cls: type, tokenizer, rows: list[dict]) -> dict:
+    """Mean reward and pass@k (a rollout passes when its reward reaches 1) on held-out rows."""
+    k = cfg["eval_samples"]
+    sampling = {"temperature": cfg["eval_temperature"], "max_tokens": cfg["max_new_tokens"]}
+
+    async def one(row):
+        try:
+            traj = await asyncio.wait_for(agents.run_env(agent_cls(), row, client, tokenizer, sampling=sampling,
+                                                         max_len=cfg["max_len"], max_turns=cfg["max_turns"]),
+                                          timeout=cfg["agent_timeout"])
+            return traj.reward
+        except Exception as e:  # an eval rollout that fails scores 0, like a wrong answer
+            if client.is_engine_error(e):
+                raise
+            return 0.0
+
+    rewards = await asyncio.gather(*[one(r) for r in rows for _ in range(k)])
+    by_row = [rewards[i * k:(i + 1) * k] for i in range(len(rows))]
+    return {"eval/reward_mean": sum(rewards) / len(rewards),
+            f"eval/pass@{k}": sum(max(r) >= 1.0 for r in by_row) / len(by_row)}
+
+
+def eval_rows(cfg: dict, agent_cls: type) -> list[dict]:
+    if cfg["eval_dataset"]:
+        return agents.read_dataset(cfg["eval_dataset"], cfg["input_key"], cfg["label_key"])
+    return list(itertools.islice(agent_cls.prompts(cfg["seed"] + 1_000_003), cfg["eval_prompts"]))
+
+
+async def train(cfg: dict, generator, trainer, agent_cls: type, tokenizer, on_step, start: dict) -> list[dict]:
+    """The loop itself, from the state `start` (fresh or a checkpoint). Returns the per-step metrics."""
+    out = Path(cfg["output_dir"])
+    client = EngineClient(generator) if generator is not None else None
+    rows = itertools.islice(prompt_rows(cfg, agent_cls), start["rows_started"], None)
+    pool = RolloutPool(cfg, agent_cls, rows, client, tokenizer)
+    replay = sorted(Path(cfg["replay_rollouts"]).glob("step_*.jsonl")) if cfg["replay_rollouts"] else None
+    held_out = eval_rows(cfg, agent_cls) if cfg["eval_every"] and client else []
+    version = start["version"]  # policy version now in the engine
+    history = []
+    try:
+        for step in range(start["step"], cfg["steps"]):
+            t_step = time.perf_counter()
+            if replay is not None:  # retrain on dumped batches: no engine at all
+                trajs = [json.loads(line) for line in replay[step].read_text().splitlines()]
+                groups = None
+            else:
+                groups = await collect(pool, cfg, version - start["version"], first_step=not history)
+                trajs = [asdict(t) for g in groups for t in g["trajectories"]]
+            t_gen = time.perf_counter() - t_step
+            if cfg["dump_rollouts"]:
+                dump = Path(cfg["dump_rollouts"]) / f"step_{step:06d}.jsonl"
+                dump.write_text("".join(json.dumps(t) + "\n" for t in trajs))
+
+            metrics = {"step": step + 1, **batch_metrics(trajs)}
+            if groups:
+                metrics["start_version_lag"] = version - min(g["start_version"] for g in groups)
+            t_train = time.perf_counter()
             metrics.update(await trainer.train_step(trajs))
-            t_sync = time.perf_counter()
-            sync_s = await generator.update_weights.remote(trainer.weights_blob(), version + 1)
+            train_s = time.perf_counter() - t_train
             version += 1
-            busy = await generator.take_busy_seconds.remote()
+            if client is not None:
+                metrics["weight_sync_s"] = await generator.update_weights.remote(trainer.weights_blob(), version)
+                busy = await generator.take_busy_seconds.remote()
             step_s = time.perf_counter() - t_step
             metrics.update({
-                "version": version, "wait_rollouts_s": t_gen, "weight_sync_s": sync_s,
-                "sync_total_s": time.perf_counter() - t_sync, "step_s": step_s,
-                "generator_idle_frac": max(0.0, 1.0 - busy / step_s),
-                "queue_depth": pool.done.qsize(), "in_flight_groups": len(pool.tasks),
-                "tokens_per_s": sum(t["mask"].count(1) for t in trajs) / step_s,
-                **{f"dropped/{k}": v for k, v in pool.drops.items()},
+                "version": version, "wait_rollouts_s": t_gen, "step_s": step_s,
+                "trainer_idle_frac": max(0.0, 1.0 - train_s / step_s),
+                "tokens_per_s": sum(sum(t["mask"]) for t in trajs) / step_s,
             })
+            if client is not None:
+                metrics.update({
+                    "generator_idle_frac": max(0.0, 1.0 - busy / step_s),
+                    "queue_depth": pool.done.qsize(), "in_flight_groups": len(pool.tasks),
+                    "filtered_groups": pool.filtered,
+                    **{f"dropped/{k}": v for k, v in pool.drops.items()},
+                })
+            if held_out and (step + 1) % cfg["eval_every"] == 0:
+                metrics.update(await evaluate(cfg, client, agent_cls, tokenizer, held_out))
             history.append(metrics)
             on_step(metrics)
+            if cfg["save_every"] and ((step + 1) % cfg["save_every"] == 0 or step + 1 == cfg["steps"]):
+                save_checkpoint(out, trainer, {"step": step + 1, "version": version,
+                                               "rows_started": start["rows_started"] + pool.started},
+                                cfg["keep_checkpoints"])
     finally:
         pool.cancel()
-    del ray
     return history
+
+
+def save_checkpoint(out: Path, trainer, state: dict, keep: int):
+    """Write the trainer state and the loop state into a temporary folder, then rename it:
+    a checkpoint interrupted mid-write is never mistaken for a complete one."""
+    import ray
+    root = out / "checkpoints"
+    final, tmp = root / f"step_{state['step']:06d}", root / f"step_{state['step']:06d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    ray.get(trainer.call("save_checkpoint", str(tmp / "trainer")))
+    (tmp / "loop.json").write_text(json.dumps(state))
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    for old in complete_checkpoints(out)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def complete_checkpoints(out: Path) -> list[Path]:
+    root = out / "checkpoints"
+    found = [p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
+             and (p / "loop.json").is_file()] if root.is_dir() else []
+    return sorted(found)
 
 
 def start_ray(cfg: dict):
@@ -232,17 +316,33 @@ def run(cfg: dict) -> dict:
     (out / "config.json").write_text(json.dumps(cfg, indent=1, default=str))
     agent_cls = agents.load_agent(cfg["agent"])
     tokenizer = AutoTokenizer.from_pretrained(cfg["model"])
+    start = {"step": 0, "version": 0, "rows_started": 0}
+    resume_from = complete_checkpoints(out)[-1] if cfg["resume"] and complete_checkpoints(out) else None
     ray = start_ray(cfg)
     try:
-        generator = ray.remote(Generator).options(num_cpus=0, max_concurrency=10_000).remote(
-            cfg["model"], dtype=cfg["param_dtype"], max_len=cfg["max_len"], seed=cfg["seed"],
-            gpu_memory_utilization=cfg["gpu_memory_utilization"])
+        generator = None
+        if not cfg["replay_rollouts"]:
+            generator = ray.remote(Generator).options(num_cpus=0, max_concurrency=10_000).remote(
+                cfg["model"], dtype=cfg["param_dtype"], max_len=cfg["max_len"], seed=cfg["seed"],
+                gpu_memory_utilization=cfg["gpu_memory_utilization"], partial_rollout=cfg["partial_rollout"])
         trainer = TrainerGroup(cfg)
-        ray.get([generator.get_version.remote(), *trainer.ready()])
+        ray.get([*trainer.ready()] + ([generator.get_version.remote()] if generator else []))
+        if resume_from is not None:
+            start = json.loads((resume_from / "loop.json").read_text())
+            ray.get(trainer.call("load_checkpoint", str(resume_from / "trainer")))
+            if generator is not None:  # the engine starts from the checkpoint's weights
+                ray.get(generator.update_weights.remote(trainer.weights_blob(), start["version"]))
+            keep_metrics(out / "metrics.jsonl", start["step"])
+            log.warning("resumed from %s (step %d)", resume_from, start["step"])
         setup_s = time.perf_counter() - t0
 
+        if cfg["eval_only"]:
+            scores = asyncio.run(evaluate(cfg, EngineClient(generator), agent_cls, tokenizer,
+                                          eval_rows(cfg, agent_cls)))
+            print(json.dumps(scores))
+            return scores
         metrics_file = (out / "metrics.jsonl").open("a")
-        bar = progress(cfg)
+        bar = progress(cfg, start["step"])
 
         def on_step(m: dict):
             metrics_file.write(json.dumps(m) + "\n")
@@ -251,11 +351,12 @@ def run(cfg: dict) -> dict:
             bar.set_postfix(reward=f"{m['reward_mean']:.3f}", s_per_step=f"{m['step_s']:.2f}",
                             mismatch=f"{m.get('mismatch_k3', 0.0):.1e}")
 
-        history = asyncio.run(train(cfg, generator, trainer, agent_cls, tokenizer, on_step))
+        history = asyncio.run(train(cfg, generator, trainer, agent_cls, tokenizer, on_step, start))
         bar.close()
         metrics_file.close()
-        final = ray.get(trainer.call("export", str(out / "final")))
-        ray.get(generator.shutdown.remote())
+        final = ray.get(trainer.call("export", cfg["export_hf"])) if cfg["export_hf"] else None
+        if generator is not None:
+            ray.get(generator.shutdown.remote())
     finally:
         ray.shutdown()
     summary = summarize(history, setup_s, time.perf_counter() - t0, out, final)
@@ -263,13 +364,22 @@ def run(cfg: dict) -> dict:
     return summary
 
 
-def progress(cfg: dict):
+def keep_metrics(path: Path, last_step: int):
+    """On resume, forget metrics of steps after the checkpoint (they will be redone)."""
+    if path.is_file():
+        lines = [l for l in path.read_text().splitlines() if l and json.loads(l)["step"] <= last_step]
+        path.write_text("".join(l + "\n" for l in lines))
+
+
+def progress(cfg: dict, done: int = 0):
     from tqdm import tqdm
-    return tqdm(total=cfg["steps"], desc="train", unit="step", dynamic_ncols=True,
+    return tqdm(total=cfg["steps"], initial=done, desc="train", unit="step", dynamic_ncols=True,
                 disable=cfg["quiet"] or not sys.stderr.isatty())
 
 
-def summarize(history: list[dict], setup_s: float, total_s: float, out: Path, final: str) -> dict:
+def summarize(history: list[dict], setup_s: float, total_s: float, out: Path, final: str | None) -> dict:
+    if not history:
+        return {"steps": 0, "total_s": total_s, "setup_s": setup_s, "text": "done: nothing left to train"}
     k = max(1, min(10, len(history) // 4))
     first = sum(m["reward_mean"] for m in history[:k]) / k
     last = sum(m["reward_mean"] for m in history[-k:]) / k
@@ -277,6 +387,6 @@ def summarize(history: list[dict], setup_s: float, total_s: float, out: Path, fi
     text = (f"done: {len(history)} steps in {total_s:.0f}s (setup {setup_s:.0f}s)\n"
             f"reward: {first:.3f} (mean of first {k} steps) -> {last:.3f} (mean of last {k})\n"
             f"engine/trainer logprob mismatch: mean |diff| {mismatch:.2e}\n"
-            f"metrics: {out / 'metrics.jsonl'}\nmodel:   {final}")
+            f"metrics: {out / 'metrics.jsonl'}\nmodel:   {final or '(not exported)'}")
     return {"first_reward": first, "last_reward": last, "steps": len(history),
             "total_s": total_s, "setup_s": setup_s, "mismatch_abs": mismatch, "text": text}

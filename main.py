@@ -56,6 +56,25 @@ def build_parser() -> argparse.ArgumentParser:
                    "of the trainer (0 = strictly on-policy)")
     g.add_argument("--rollout_in_flight", type=int, default=None, help="max prompt groups generating at once "
                    "(default: prompts_per_step * (async_depth + 1))")
+    g.add_argument("--partial_rollout", action="store_true", help="at a weight update keep in-flight requests "
+                   "(paused, then resumed under the new weights) instead of letting them finish first")
+    g.add_argument("--filter_groups", action="store_true", help="drop groups whose rewards are all equal "
+                   "(no signal) and refill the batch from the pool")
+    g.add_argument("--eval_every", type=int, default=0, help="evaluate every N steps (0 = never)")
+    g.add_argument("--eval_only", action="store_true", help="score the model (or --resume checkpoint) and exit")
+    g.add_argument("--eval_dataset", default=None, help="JSONL of held-out prompts (default: --eval_prompts "
+                   "rows of the agent's built-in prompts with another seed)")
+    g.add_argument("--eval_prompts", type=int, default=64, help="held-out prompts when there is no --eval_dataset")
+    g.add_argument("--eval_samples", type=int, default=1, help="samples per eval prompt (k of pass@k)")
+    g.add_argument("--eval_temperature", type=float, default=0.0, help="eval sampling temperature (0 = greedy)")
+    g.add_argument("--save_every", type=int, default=0, help="checkpoint every N steps (and at the end; 0 = never)")
+    g.add_argument("--keep_checkpoints", type=int, default=2, help="how many recent checkpoints to keep")
+    g.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint in --output_dir")
+    g.add_argument("--export_hf", default="", help="save_pretrained folder for the final model "
+                   "(default: OUTPUT_DIR/final; 'none' to skip)")
+    g.add_argument("--dump_rollouts", default=None, help="write every step's batch as JSONL into this folder")
+    g.add_argument("--replay_rollouts", default=None, help="train on batches dumped by --dump_rollouts "
+                   "instead of generating (no engine is started)")
     g.add_argument("--seed", type=int, default=0)
 
     g = p.add_argument_group("algorithm")
@@ -97,6 +116,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("scale")
     g.add_argument("--train_workers", type=int, default=1, help="trainer ranks (Ray actors in one process group)")
+    g.add_argument("--tp_size", type=int, default=1, help="tensor-parallel degree (attention heads and MLP split)")
+    g.add_argument("--cp_size", type=int, default=1, help="context-parallel degree (sequence split, all-to-all over heads)")
+    g.add_argument("--ep_size", type=int, default=1, help="expert-parallel degree for MoE (borrows data ranks)")
+    g.add_argument("--micro_batch_tokens", type=int, default=None, help="token budget per forward/backward "
+                   "(instead of --micro_batch_size rows; padded rows count at their longest)")
+    g.add_argument("--packing", action="store_true", help="pack each micro-batch into one row (reset positions, "
+                   "block-diagonal attention, no padding)")
+    g.add_argument("--activation_checkpointing", action="store_true", help="recompute each block in backward")
+    g.add_argument("--offload", default="none", choices=["none", "optimizer"],
+                   help="optimizer: parameters, gradients, optimizer state and step on CPU (FSDP2 CPUOffloadPolicy)")
+    g.add_argument("--routing_replay", action="store_true", help="MoE: the trainer reuses the expert selection "
+                   "recorded at sampling (trajectories' 'routing'); router logits still recomputed")
+    g.add_argument("--freeze_router", action="store_true", help="MoE: router weights out of the optimizer and weight sync")
+    g.add_argument("--check_weight_sync", action="store_true", help="report engine parameters a weight sync does not update")
 
     g = p.add_argument_group("infrastructure")
     g.add_argument("--ray_address", default=None, help="Ray cluster address (default: start a local one)")
@@ -154,6 +187,32 @@ def validate(cfg: dict) -> dict:
     if cfg["async_depth"] > 0:
         need(cfg["is_level"] != "off", "--async_depth > 0 trains on tokens sampled by older policies: "
              "it needs IS correction (--is_level token|seq|geo), not 'off'")
+    # loop
+    for k in ("eval_every", "save_every"):
+        need(cfg[k] >= 0, f"--{k} must be >= 0")
+    need(cfg["keep_checkpoints"] >= 1, "--keep_checkpoints must be >= 1")
+    need(cfg["eval_samples"] >= 1 and cfg["eval_prompts"] >= 1, "--eval_samples and --eval_prompts must be >= 1")
+    need(cfg["eval_temperature"] >= 0, "--eval_temperature must be >= 0")
+    if cfg["partial_rollout"]:
+        need(cfg["async_depth"] >= 1, "--partial_rollout only changes anything with --async_depth >= 1 "
+             "(in sync mode no request is in flight at a weight update)")
+        need(cfg["is_level"] != "off", "--partial_rollout mixes policy versions inside a sequence: "
+             "it needs IS correction (--is_level token|seq|geo), not 'off'")
+    need(not (cfg["dump_rollouts"] and cfg["replay_rollouts"]), "--dump_rollouts and --replay_rollouts exclude each other")
+    if cfg["replay_rollouts"]:
+        dumped = sorted(Path(cfg["replay_rollouts"]).glob("step_*.jsonl"))
+        need(bool(dumped), f"--replay_rollouts {cfg['replay_rollouts']}: no step_*.jsonl files")
+        need(cfg["steps"] <= len(dumped), f"--steps {cfg['steps']} but --replay_rollouts has only {len(dumped)} "
+             "dumped steps")
+        need(not cfg["eval_every"] and not cfg["eval_only"], "--replay_rollouts starts no engine: it cannot evaluate")
+    if cfg["dump_rollouts"]:
+        Path(cfg["dump_rollouts"]).mkdir(parents=True, exist_ok=True)
+    need(cfg["eval_dataset"] is None or Path(cfg["eval_dataset"]).is_file(), f"--eval_dataset {cfg['eval_dataset']}: no such file")
+    out = Path(cfg["output_dir"])
+    if cfg["resume"] or cfg["eval_only"]:
+        need(not cfg["resume"] or (out / "checkpoints").is_dir(),
+             f"--resume: no checkpoints in {out / 'checkpoints'} (did the run use --save_every?)")
+    cfg["export_hf"] = None if cfg["export_hf"] == "none" else (cfg["export_hf"] or str(out / "final"))
     cfg["rollout_in_flight"] = cfg["rollout_in_flight"] or cfg["prompts_per_step"] * (cfg["async_depth"] + 1)
     need(cfg["rollout_in_flight"] >= cfg["prompts_per_step"],
          "--rollout_in_flight must be >= --prompts_per_step, or a batch could never fill")
@@ -168,6 +227,24 @@ def validate(cfg: dict) -> dict:
     for key in ("ref_model", "critic_model"):
         need(cfg[key] is None or (Path(cfg[key]) / "config.json").is_file(),
              f"--{key} {cfg[key]}: not a model folder (expected a directory with config.json)")
+    # scale
+    for k in ("tp_size", "cp_size", "ep_size"):
+        need(cfg[k] >= 1, f"--{k} must be >= 1, got {cfg[k]}")
+    need(cfg["micro_batch_tokens"] is None or cfg["micro_batch_tokens"] >= 1, "--micro_batch_tokens must be >= 1")
+    import parallel
+    from transformers import AutoConfig
+    dims = parallel.ParallelDims(world_size=cfg["train_workers"], tp=cfg["tp_size"], cp=cfg["cp_size"], ep=cfg["ep_size"])
+    model_cfg = AutoConfig.from_pretrained(cfg["model"])
+    dims.check_model(model_cfg)
+    moe = bool(getattr(model_cfg, "num_experts", 0))
+    need(moe or not (cfg["routing_replay"] or cfg["freeze_router"]),
+         "--routing_replay/--freeze_router apply to mixture-of-experts models only")
+    if cfg["cp_size"] > 1:
+        need(not cfg["packing"], "--packing with --cp_size > 1 is not supported (CP splits padded rows)")
+        need(cfg["loss"] != "gspo", "--loss gspo needs whole sequences on one rank; not with --cp_size > 1")
+        need(cfg["max_len"] % cfg["cp_size"] == 0,
+             f"--max_len {cfg['max_len']} must be divisible by --cp_size {cfg['cp_size']} (each rank gets an equal chunk)")
+    # end scale
     need(Path(cfg["agent"]).is_file(), f"--agent {cfg['agent']}: no such file")
     need(cfg["dataset"] is None or Path(cfg["dataset"]).is_file(), f"--dataset {cfg['dataset']}: no such file")
     return cfg
