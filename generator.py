@@ -157,7 +157,11 @@ class Generator:
             self.busy_s += time.perf_counter() - self._busy_since
 
     def shutdown(self):
-        self.engine.shutdown()
+        if self.engine is not None:
+            self.engine.shutdown()
+            # vLLM's __del__ shuts down a second time; at interpreter exit that fails
+            # noisily because module globals are gone. Once is enough.
+            self.engine.shutdown = lambda *args, **kwargs: None
 
 
 def smoke(model: str):

@@ -23,7 +23,6 @@ import itertools
 import json
 import logging
 import os
-import random
 import shutil
 import sys
 import time
@@ -33,6 +32,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import agent as agents
+import data
+import logs
 from generator import Generator
 from trainer import TrainerGroup
 
@@ -41,17 +42,9 @@ ROOT = str(Path(__file__).resolve().parent)
 
 
 def prompt_rows(cfg: dict, agent_cls: type):
-    """Endless rows: the --dataset file reshuffled every epoch, or the agent's own prompts."""
-    if not cfg["dataset"]:
-        yield from agent_cls.prompts(cfg["seed"])
-        return
-    rows = agents.read_dataset(cfg["dataset"], cfg["input_key"], cfg["label_key"])
-    rng = random.Random(cfg["seed"])
-    while True:
-        order = list(range(len(rows)))
-        rng.shuffle(order)
-        for i in order:
-            yield rows[i]
+    """Endless rows: --dataset (any format, or reasoning-gym:<task>) reshuffled every epoch, or
+    the agent's own prompts (data.prompt_source)."""
+    yield from data.prompt_source(cfg, agent_cls)
 
 
 class RolloutPool:
@@ -341,12 +334,11 @@ def run(cfg: dict) -> dict:
                                           eval_rows(cfg, agent_cls)))
             print(json.dumps(scores))
             return scores
-        metrics_file = (out / "metrics.jsonl").open("a")
+        metrics_file = logs.Sinks(cfg, append=resume_from is not None)  # metrics.jsonl + --logger backends
         bar = progress(cfg, start["step"])
 
         def on_step(m: dict):
-            metrics_file.write(json.dumps(m) + "\n")
-            metrics_file.flush()
+            metrics_file.log(m)
             bar.update(1)
             bar.set_postfix(reward=f"{m['reward_mean']:.3f}", s_per_step=f"{m['step_s']:.2f}",
                             mismatch=f"{m.get('mismatch_k3', 0.0):.1e}")
@@ -359,6 +351,8 @@ def run(cfg: dict) -> dict:
             ray.get(generator.shutdown.remote())
     finally:
         ray.shutdown()
+    if history and not cfg.get("no_plot"):
+        logs.plot([out], out / "metrics.png")
     summary = summarize(history, setup_s, time.perf_counter() - t0, out, final)
     print(summary["text"], file=sys.stderr if cfg["quiet"] else sys.stdout)
     return summary

@@ -31,10 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="RL training of LLM agents: vLLM rollout, FSDP2 trainer, one async Ray loop.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", default="tiny", help="local HF model folder, or 'tiny' to build (once) a random-init "
+    g.add_argument("--model", default="tiny", help="local HF model folder, a .gguf file or 'smollm2' (converted once to a "
+                   "safetensors folder under $MOLT_CACHE), or 'tiny' to build (once) a random-init "
                    "tiny Qwen3 with a character tokenizer under $MOLT_CACHE")
     g.add_argument("--agent", default=DEFAULT_AGENT, help="Python file defining exactly one Env subclass")
-    g.add_argument("--dataset", default=None, help="JSONL file of prompts (default: the agent's built-in prompts)")
+    g.add_argument("--dataset", default=None, help="prompts: a .jsonl/.json/.parquet/.csv file, a HF datasets folder "
+                   "(save_to_disk) or reasoning-gym:TASK[:key=value,...] (default: the agent's built-in prompts)")
     g.add_argument("--input_key", default="prompt", help="dataset field holding the prompt (text or chat messages)")
     g.add_argument("--label_key", default="label", help="dataset field holding the label passed to the agent")
     g.add_argument("--output_dir", default="runs/latest", help="where metrics, config and the final model go")
@@ -131,6 +133,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--freeze_router", action="store_true", help="MoE: router weights out of the optimizer and weight sync")
     g.add_argument("--check_weight_sync", action="store_true", help="report engine parameters a weight sync does not update")
 
+    g = p.add_argument_group("data and logging")
+    g.add_argument("--logger", nargs="+", default=[], choices=["tensorboard", "wandb", "mlflow"],
+                   help="metric backends besides metrics.jsonl (several at once, same metric names)")
+    g.add_argument("--run_name", default=None, help="run name for W&B / MLflow (default: the --output_dir folder name)")
+    g.add_argument("--wandb_project", default="molt", help="W&B project")
+    g.add_argument("--wandb_mode", default=None, choices=["offline", "online"],
+                   help="W&B mode (default: $WANDB_MODE, else offline: no network needed, `wandb sync` uploads later)")
+    g.add_argument("--mlflow_uri", default=None,
+                   help="MLflow tracking URI (default: a local store in OUTPUT_DIR/mlruns)")
+    g.add_argument("--no_plot", action="store_true", help="no metrics.png at the end of the run")
+
     g = p.add_argument_group("infrastructure")
     g.add_argument("--ray_address", default=None, help="Ray cluster address (default: start a local one)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -209,14 +222,21 @@ def validate(cfg: dict) -> dict:
         Path(cfg["dump_rollouts"]).mkdir(parents=True, exist_ok=True)
     need(cfg["eval_dataset"] is None or Path(cfg["eval_dataset"]).is_file(), f"--eval_dataset {cfg['eval_dataset']}: no such file")
     out = Path(cfg["output_dir"])
-    if cfg["resume"] or cfg["eval_only"]:
-        need(not cfg["resume"] or (out / "checkpoints").is_dir(),
-             f"--resume: no checkpoints in {out / 'checkpoints'} (did the run use --save_every?)")
+    has_checkpoints = any((out / "checkpoints").glob("step_*"))
+    need(not cfg["resume"] or has_checkpoints,
+         f"--resume: no checkpoints in {out / 'checkpoints'} (did the run use --save_every?)")
+    need(cfg["resume"] or cfg["eval_only"] or not has_checkpoints,
+         f"--output_dir {out} has checkpoints of an earlier run: pass --resume to continue it, "
+         "or choose another --output_dir")
     cfg["export_hf"] = None if cfg["export_hf"] == "none" else (cfg["export_hf"] or str(out / "final"))
     cfg["rollout_in_flight"] = cfg["rollout_in_flight"] or cfg["prompts_per_step"] * (cfg["async_depth"] + 1)
     need(cfg["rollout_in_flight"] >= cfg["prompts_per_step"],
          "--rollout_in_flight must be >= --prompts_per_step, or a batch could never fill")
 
+    import data  # data and logging: `smollm2` / a .gguf file -> a converted folder (once, cached)
+    for key in ("model", "ref_model", "critic_model"):
+        if cfg[key]:
+            cfg[key] = data.resolve_model(cfg[key], cache_dir(), say=lambda m: print(m, file=sys.stderr))
     if cfg["model"] == "tiny":
         import trainer
         cfg["model"] = trainer.build_tiny_model(str(cache_dir() / "tiny-qwen3-chars-v1"))
@@ -246,7 +266,24 @@ def validate(cfg: dict) -> dict:
              f"--max_len {cfg['max_len']} must be divisible by --cp_size {cfg['cp_size']} (each rank gets an equal chunk)")
     # end scale
     need(Path(cfg["agent"]).is_file(), f"--agent {cfg['agent']}: no such file")
-    need(cfg["dataset"] is None or Path(cfg["dataset"]).is_file(), f"--dataset {cfg['dataset']}: no such file")
+    # data and logging
+    data.check_dataset(cfg)  # reads and checks every row: one error naming file, line/row and field
+    for name, pip in (("tensorboard", "tensorboard"), ("wandb", "wandb"), ("mlflow", "mlflow")):
+        if name in cfg["logger"]:
+            data.need_package(name, pip, f"--logger {name}")
+    if not cfg["no_plot"]:
+        data.need_package("matplotlib", "matplotlib", "the metrics.png plot (or pass --no_plot)")
+    rollouts = cfg["prompts_per_step"] * cfg["samples_per_prompt"]
+    need(rollouts % cfg["mini_batches"] == 0, f"--mini_batches {cfg['mini_batches']} does not divide the "
+         f"{rollouts} rollouts per step (--prompts_per_step * --samples_per_prompt)")
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(cfg["model"])
+    need(bool(tokenizer.chat_template), f"--model {cfg['model']}: the tokenizer has no chat template; agents "
+         "render prompts with it (add one to tokenizer_config.json or chat_template.jinja)")
+    import agent as agents
+    where = cfg["dataset"] or f"the prompts of {Path(cfg['agent']).name}"
+    data.check_prompts_fit(tokenizer, data.first_rows(cfg, agents.load_agent(cfg["agent"])), cfg["max_len"], where)
+    # end data and logging
     return cfg
 
 

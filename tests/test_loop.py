@@ -67,3 +67,37 @@ def test_every_rollout_failing_stops_with_a_clear_error(tiny_model, tmp_path):
     with pytest.raises(RuntimeError, match="every rollout of the first 4 groups failed"):
         main.main(["--model", tiny_model, "--agent", str(agent), "--steps", "2",
                    "--output_dir", str(tmp_path / "run"), *SMALL])
+
+
+def test_async_partial_rollout_checkpoint_resume_and_replay(tiny_model, tmp_path):
+    """Async depth 1 with partial rollout, filtering and eval; a checkpoint per step; then
+    a resumed run continues where the first stopped; then the dumped batches retrain
+    without an engine."""
+    import loop
+    out, dump = tmp_path / "run", tmp_path / "dump"
+    common = ["--model", tiny_model, "--output_dir", str(out), *SMALL, "--export_hf", "none"]
+    main.main([*common, "--steps", "2", "--async_depth", "1", "--partial_rollout", "--eval_every", "2",
+               "--eval_prompts", "4", "--save_every", "1", "--keep_checkpoints", "1", "--dump_rollouts", str(dump)])
+    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2]
+    assert lines[0]["staleness"] == 0.0 and "eval/pass@1" in lines[1]
+    ckpts = loop.complete_checkpoints(out)
+    assert [c.name for c in ckpts] == ["step_000002"]  # retention kept the last one
+    state = json.loads((ckpts[0] / "loop.json").read_text())
+    assert state["step"] == 2 and state["version"] == 2 and state["rows_started"] >= 8
+
+    # A checkpoint that died mid-write (no rename) is ignored.
+    (out / "checkpoints" / "step_000003.tmp").mkdir()
+    assert loop.complete_checkpoints(out) == ckpts
+
+    main.main([*common, "--steps", "3", "--resume", "--save_every", "1"])
+    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    assert lines[2]["version"] == 3 and lines[2]["staleness"] == 0.0
+    assert lines[2]["mismatch_abs"] < 1e-4  # the engine got the checkpoint's weights
+    state = json.loads((loop.complete_checkpoints(out)[-1] / "loop.json").read_text())
+    assert state["step"] == 3 and state["rows_started"] > 8  # data position moved on, not restarted
+
+    summary = main.main(["--model", tiny_model, "--output_dir", str(tmp_path / "replay"), *SMALL,
+                         "--steps", "2", "--replay_rollouts", str(dump), "--export_hf", "none"])
+    assert summary["steps"] == 2
