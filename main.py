@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(no signal) and refill the batch from the pool")
     g.add_argument("--eval_every", type=int, default=0, help="evaluate every N steps (0 = never)")
     g.add_argument("--eval_only", action="store_true", help="score the model (or --resume checkpoint) and exit")
-    g.add_argument("--eval_dataset", default=None, help="JSONL of held-out prompts (default: --eval_prompts "
+    g.add_argument("--eval_dataset", default=None, help="held-out prompts, any --dataset file format (default: --eval_prompts "
                    "rows of the agent's built-in prompts with another seed)")
     g.add_argument("--eval_prompts", type=int, default=64, help="held-out prompts when there is no --eval_dataset")
     g.add_argument("--eval_samples", type=int, default=1, help="samples per eval prompt (k of pass@k)")
@@ -78,6 +78,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--replay_rollouts", default=None, help="train on batches dumped by --dump_rollouts "
                    "instead of generating (no engine is started)")
     g.add_argument("--seed", type=int, default=0)
+
+    g = p.add_argument_group("engine")
+    g.add_argument("--num_engines", type=int, default=1, help="vLLM engines (Ray actors); a rollout sticks to one, "
+                   "new rollouts go to the engine with the fewest tokens in flight")
+    g.add_argument("--engine_tp_size", type=int, default=1, help="tensor parallel size inside each engine")
+    g.add_argument("--engine_dp_size", type=int, default=1, help="data parallel size inside each engine (MoE)")
+    g.add_argument("--engine_ep", action="store_true", help="expert parallelism inside each engine (MoE)")
+    g.add_argument("--engine_dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="engine weights dtype (default: --param_dtype)")
+    g.add_argument("--prefix_caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of shared prefixes (reset after every weight update)")
+    g.add_argument("--spec_decode", default=None, choices=["ngram", "mtp"],
+                   help="speculative decoding: n-gram drafts, or the checkpoint's MTP head")
+    g.add_argument("--spec_tokens", type=int, default=3, help="draft tokens per step for --spec_decode")
+    g.add_argument("--check_weight_sync", action="store_true", help="fail if a weight update leaves any engine "
+                   "parameter untouched")
 
     g = p.add_argument_group("algorithm")
     g.add_argument("--estimator", default="grpo", help=f"advantage estimator: {', '.join(estimators.ESTIMATORS)}")
@@ -131,7 +147,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--routing_replay", action="store_true", help="MoE: the trainer reuses the expert selection "
                    "recorded at sampling (trajectories' 'routing'); router logits still recomputed")
     g.add_argument("--freeze_router", action="store_true", help="MoE: router weights out of the optimizer and weight sync")
-    g.add_argument("--check_weight_sync", action="store_true", help="report engine parameters a weight sync does not update")
 
     g = p.add_argument_group("data and logging")
     g.add_argument("--logger", nargs="+", default=[], choices=["tensorboard", "wandb", "mlflow"],
@@ -200,6 +215,9 @@ def validate(cfg: dict) -> dict:
     if cfg["async_depth"] > 0:
         need(cfg["is_level"] != "off", "--async_depth > 0 trains on tokens sampled by older policies: "
              "it needs IS correction (--is_level token|seq|geo), not 'off'")
+    # engine
+    for k in ("num_engines", "engine_tp_size", "engine_dp_size", "spec_tokens"):
+        need(cfg[k] >= 1, f"--{k} must be >= 1, got {cfg[k]}")
     # loop
     for k in ("eval_every", "save_every"):
         need(cfg[k] >= 0, f"--{k} must be >= 0")
@@ -220,7 +238,9 @@ def validate(cfg: dict) -> dict:
         need(not cfg["eval_every"] and not cfg["eval_only"], "--replay_rollouts starts no engine: it cannot evaluate")
     if cfg["dump_rollouts"]:
         Path(cfg["dump_rollouts"]).mkdir(parents=True, exist_ok=True)
-    need(cfg["eval_dataset"] is None or Path(cfg["eval_dataset"]).is_file(), f"--eval_dataset {cfg['eval_dataset']}: no such file")
+    if cfg["eval_dataset"]:
+        import data
+        data.load_rows(cfg["eval_dataset"], cfg["input_key"], cfg["label_key"])  # one clear error for a bad file
     out = Path(cfg["output_dir"])
     has_checkpoints = any((out / "checkpoints").glob("step_*"))
     need(not cfg["resume"] or has_checkpoints,

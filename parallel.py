@@ -1,43 +1,119 @@
-"""Parallel layout of the trainer: process group, DeviceMesh and FSDP2.
+"""Parallel layout of the trainer: process group, DeviceMesh, TP, EP, CP, FSDP2, routing replay.
 
-`ParallelDims` validates the degrees once and builds the `DeviceMesh`;
-`apply_fsdp` shards a transformers causal LM with `fully_shard`, one unit per
-decoder block and then the root, as torchtitan does. On CPU the process group
-is gloo, on GPU nccl; the code path is the same.
+`ParallelDims` validates the degrees once and builds the `DeviceMesh` (dims
+"dp_shard", "cp", "tp"; "dp_cp" flattened for FSDP; a second view
+"efsdp" x "ep" x "tp" of the same ranks for MoE experts). `parallelize`
+applies, in torchtitan's order: TP plans -> EP experts -> activation
+checkpointing -> `fully_shard` per decoder block, then the root. On CPU the
+process group is gloo, on GPU nccl; the code path is the same.
 
-    dims = ParallelDims(world_size=2); mesh = dims.build_mesh("cpu")
-    model = apply_fsdp(model, mesh, param_dtype=torch.float32)
+Gradient reduction is a SUM over data ranks (divide factor 1): every
+micro-batch loss is already divided by the tokens of the whole optimizer step
+across all ranks, so summing gives exactly the single-process gradient.
+
+    dims = ParallelDims(world_size=4, tp=2); dims.build_mesh("cpu")
+    model = parallelize(model, dims, param_dtype=torch.float32)
+
+Tested by tests/test_parallel.py (every layout against one process).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
-from dataclasses import dataclass
+import types
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 
 @dataclass
 class ParallelDims:
-    """Degrees of parallelism of the trainer; dp_shard is what is left over."""
+    """Degrees of parallelism of the trainer; dp_shard (-1) is what is left over.
+
+    EP borrows its ranks from dp_shard * cp (experts are split ep ways and the
+    expert weights are FSDP-sharded over the remaining dp_shard * cp / ep ranks)."""
     world_size: int = 1
-    dp_shard: int = -1   # -1: infer from world_size
+    dp_shard: int = -1
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    mesh: DeviceMesh | None = field(default=None, repr=False)
+    dp_cp_mesh: DeviceMesh | None = field(default=None, repr=False)
+    ep_mesh: DeviceMesh | None = field(default=None, repr=False)
 
     def __post_init__(self):
-        if self.world_size < 1:
-            raise ValueError(f"world size must be >= 1, got {self.world_size}")
+        for name in ("world_size", "tp", "cp", "ep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.world_size % (self.tp * self.cp):
+            raise ValueError(f"--train_workers {self.world_size} is not divisible by --tp_size {self.tp} x "
+                             f"--cp_size {self.cp}: data-parallel ranks would be fractional")
         if self.dp_shard == -1:
-            self.dp_shard = self.world_size
-        if self.dp_shard != self.world_size:
-            raise ValueError(f"dp_shard ({self.dp_shard}) must equal the world size "
-                             f"({self.world_size}) when no other parallelism is used")
+            self.dp_shard = self.world_size // (self.tp * self.cp)
+        if self.dp_shard * self.tp * self.cp != self.world_size:
+            raise ValueError(f"dp_shard {self.dp_shard} x tp {self.tp} x cp {self.cp} = "
+                             f"{self.dp_shard * self.tp * self.cp} must equal the number of trainer ranks "
+                             f"(--train_workers {self.world_size})")
+        if (self.dp_shard * self.cp) % self.ep:
+            raise ValueError(f"--ep_size {self.ep} must divide the data/context ranks dp_shard x cp = "
+                             f"{self.dp_shard * self.cp} (EP borrows them; TP ranks are not used for EP)")
+        if self.ep > 1 and self.tp > 1:
+            raise ValueError("--ep_size > 1 with --tp_size > 1 is not supported: shard experts with EP over the "
+                             "data ranks and use TP only for dense models")
 
+    def check_model(self, config) -> None:
+        """Model-dependent checks (head counts, experts) with the message a user needs."""
+        heads, kv = config.num_attention_heads, config.num_key_value_heads
+        experts = getattr(config, "num_experts", 0) or 0
+        if self.tp > 1 and (heads % self.tp or kv % self.tp):
+            raise ValueError(f"--tp_size {self.tp} must divide the attention heads ({heads}) and key/value heads ({kv})")
+        if self.tp > 1 and not experts and config.intermediate_size % self.tp:
+            raise ValueError(f"--tp_size {self.tp} must divide the MLP size ({config.intermediate_size})")
+        if self.cp > 1 and (heads % self.cp or kv % self.cp):
+            raise ValueError(f"--cp_size {self.cp} (all-to-all over heads) must divide the attention heads ({heads}) "
+                             f"and key/value heads ({kv})")
+        if self.ep > 1 and not experts:
+            raise ValueError(f"--ep_size {self.ep} needs a mixture-of-experts model; this one has no experts")
+        if self.ep > 1 and experts % self.ep:
+            raise ValueError(f"--ep_size {self.ep} must divide the number of experts ({experts})")
+
+    # ---- mesh and coordinates -----------------------------------------------------------
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        return init_device_mesh(device_type, (self.dp_shard,), mesh_dim_names=("dp_shard",))
+        """Build the mesh once (all ranks call this). Rank r = ((dp * cp) + c) * tp + t."""
+        self.mesh = init_device_mesh(device_type, (self.dp_shard, self.cp, self.tp),
+                                     mesh_dim_names=("dp_shard", "cp", "tp"))
+        self.dp_cp_mesh = self.mesh["dp_shard", "cp"]._flatten("dp_cp")
+        if self.ep > 1:
+            ranks = torch.arange(self.world_size).view(self.dp_shard * self.cp // self.ep, self.ep, self.tp)
+            self.ep_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("efsdp", "ep", "tp"))
+        return self.mesh
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    @property
+    def dp_rank(self) -> int:
+        """Which share of the rows this rank trains on."""
+        return self.rank // (self.cp * self.tp)
+
+    @property
+    def cp_rank(self) -> int:
+        return (self.rank // self.tp) % self.cp
+
+    def group(self, name: str):
+        """Process group of a named dim ("dp_cp", "cp", "tp", "ep"); None when the dim has size 1."""
+        if name == "ep":
+            return self.ep_mesh["ep"].get_group() if self.ep > 1 else None
+        size = {"dp_cp": self.dp_shard * self.cp, "cp": self.cp, "tp": self.tp, "dp_shard": self.dp_shard}[name]
+        if size == 1:
+            return None
+        return (self.dp_cp_mesh if name == "dp_cp" else self.mesh[name]).get_group()
 
 
 def free_port() -> int:
@@ -59,12 +135,251 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     return device_type
 
 
-def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
-               reduce_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """fully_shard each decoder block, then the root (parameters stay sharded
-    between steps; gradients are reduced in fp32)."""
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+# ---- tensor parallelism ---------------------------------------------------------------------
+def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Megatron plan for Qwen3 / Qwen3-MoE blocks: q/k/v and gate/up column-wise, o and down
+    row-wise (attention heads and MLP columns split tp ways; outputs replicated). MoE experts
+    stay whole (use EP for them); embeddings and the LM head stay replicated, so logprobs see the
+    full vocabulary on every TP rank without a gather (vocab-parallel log-softmax is not done)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     for block in model.model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel()}
+        if hasattr(block.mlp, "gate_proj"):  # dense MLP
+            plan.update({"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                         "mlp.down_proj": RowwiseParallel()})
+        parallelize_module(block, tp_mesh, plan)
+        for norm in (block.self_attn.q_norm, block.self_attn.k_norm):   # per-head norms see only my heads
+            norm.forward = types.MethodType(_tp_head_norm, norm)
+            norm.tp_group = tp_mesh.get_group()
+
+
+class _SumGrad(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over a group (a replicated weight used on
+    a different shard of the activations on each rank)."""
+
+    @staticmethod
+    def forward(ctx, w, group):
+        ctx.group = group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+def _tp_head_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Qwen3RMSNorm.forward with the weight's gradient summed over the TP ranks' heads."""
+    dtype = hidden_states.dtype
+    h = hidden_states.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return _SumGrad.apply(self.weight, self.tp_group) * h.to(dtype)
+
+
+# ---- expert parallelism ---------------------------------------------------------------------
+class EPExperts(torch.nn.Module):
+    """This rank's E/ep experts (fused weights, as transformers 5 stores them) with token
+    dispatch by all_to_all_single over the EP group (uneven splits; autograd form)."""
+
+    def __init__(self, experts: torch.nn.Module, ep_rank: int, ep: int, group):
+        super().__init__()
+        self.num_experts, self.ep, self.group = experts.num_experts, ep, group
+        self.local = experts.num_experts // ep
+        lo = ep_rank * self.local
+        self.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj.data[lo:lo + self.local].clone())  # [e, 2I, H]
+        self.down_proj = torch.nn.Parameter(experts.down_proj.data[lo:lo + self.local].clone())        # [e, H, I]
+        self.act_fn = experts.act_fn
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+        N, k = top_k_index.shape
+        expert = top_k_index.reshape(-1)                                      # [N*k]
+        order = torch.argsort(expert, stable=True)                            # grouped by expert = by owner rank
+        token = torch.arange(N, device=hidden.device).repeat_interleave(k)[order]
+        counts = torch.bincount(expert, minlength=self.num_experts)           # [E] tokens I send per expert
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=self.group)         # [ep * e] tokens I get per (src, expert)
+        send = counts.view(self.ep, self.local).sum(1).tolist()
+        recv = recv_counts.view(self.ep, self.local).sum(1).tolist()
+        x = all_to_all_single_autograd(hidden[token], recv, send, self.group)  # [M, H] by (src rank, expert)
+        local_expert = torch.arange(self.local, device=hidden.device).repeat(self.ep).repeat_interleave(
+            recv_counts.view(-1))                                             # [M]
+        y = torch.zeros_like(x)
+        for e in range(self.local):
+            rows = (local_expert == e).nonzero().squeeze(1)
+            gate, up = torch.nn.functional.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = y.index_add(0, rows, torch.nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e]))
+        y = all_to_all_single_autograd(y, send, recv, self.group)             # [N*k, H] back in `order`
+        w = top_k_weights.reshape(-1)[order, None]
+        return torch.zeros_like(hidden).index_add(0, token, (y * w).to(hidden.dtype))
+
+
+def apply_ep(model: torch.nn.Module, dims: ParallelDims) -> None:
+    ep_rank = dims.ep_mesh["ep"].get_local_rank()
+    for block in model.model.layers:
+        block.mlp.experts = EPExperts(block.mlp.experts, ep_rank, dims.ep, dims.group("ep"))
+
+
+# ---- context parallelism (Ulysses) ----------------------------------------------------------
+_CP_GROUP = None
+
+
+def _seq_to_heads(x: torch.Tensor, cp: int) -> torch.Tensor:
+    """[b, h, t, d] (my sequence chunk, all heads) -> [b, h/cp, cp*t, d] (all positions, my heads)."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+    b, h, t, d = x.shape
+    x = x.reshape(b, cp, h // cp, t, d).transpose(0, 1).contiguous()       # [cp(dst), b, h/cp, t, d]
+    x = all_to_all_single_autograd(x, None, None, _CP_GROUP)              # [cp(src chunk), b, h/cp, t, d]
+    return x.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * t, d)
+
+
+def _heads_to_seq(x: torch.Tensor, cp: int) -> torch.Tensor:
+    """Inverse of _seq_to_heads: [b, h/cp, cp*t, d] -> [b, h, t, d]."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+    b, hl, T, d = x.shape
+    x = x.reshape(b, hl, cp, T // cp, d).permute(2, 0, 1, 3, 4).contiguous()  # [cp(dst chunk), b, h/cp, t, d]
+    x = all_to_all_single_autograd(x, None, None, _CP_GROUP)                 # [cp(src heads), b, h/cp, t, d]
+    return x.transpose(0, 1).reshape(b, hl * cp, T // cp, d)
+
+
+def ulysses_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function for CP: all-to-all to whole sequences of a head subset,
+    causal sdpa, all-to-all back. Rows are right-padded, so causal alone is the right mask."""
+    cp = dist.get_world_size(_CP_GROUP)
+    q, k, v = (_seq_to_heads(t, cp) for t in (query, key, value))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
+                                                           enable_gqa=k.shape[1] != q.shape[1])
+    return _heads_to_seq(out, cp).transpose(1, 2).contiguous(), None   # [b, t, h, d]
+
+
+def apply_cp(model: torch.nn.Module, dims: ParallelDims) -> None:
+    global _CP_GROUP
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    _CP_GROUP = dims.group("cp")
+    AttentionInterface.register("molt_ulysses", ulysses_attention)
+    AttentionMaskInterface.register("molt_ulysses", sdpa_mask)
+    model.set_attn_implementation("molt_ulysses")
+
+
+# ---- MoE: routing replay, frozen router ------------------------------------------------------
+def moe_gates(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The router of each MoE block, in layer order (empty for dense models)."""
+    return [b.mlp.gate for b in model.model.layers if hasattr(b.mlp, "gate") and hasattr(b.mlp, "experts")]
+
+
+def _gate_hook(gate, args, output):
+    """Record this gate's selection, or replace it by the recorded one. The router's logits
+    are recomputed either way, so the replayed scores (softmax at the replayed experts) still
+    train the router."""
+    logits, scores, indices = output
+    if getattr(gate, "replay", None) is not None:
+        indices = gate.replay.to(indices.device)                               # [n, k]
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, indices)
+        if gate.norm_topk_prob:
+            scores = scores / scores.sum(-1, keepdim=True)
+        scores = scores.to(logits.dtype)
+    if getattr(gate, "record", None) is not None:
+        gate.record.append(indices.detach().cpu())
+    return logits, scores, indices
+
+
+def install_routing_hooks(model: torch.nn.Module) -> None:
+    for gate in moe_gates(model):
+        gate.replay, gate.record = None, None
+        gate.register_forward_hook(_gate_hook)
+
+
+@contextlib.contextmanager
+def routing(model: torch.nn.Module, replay: torch.Tensor | None = None, record: list | None = None):
+    """replay: [n_tokens, layers, k] expert ids in the order the model flattens its input
+    (batch-major); record: a list that receives the same shape. Needs install_routing_hooks."""
+    gates = moe_gates(model)
+    logs = [[] for _ in gates]
+    for i, gate in enumerate(gates):
+        gate.replay = None if replay is None else replay[:, i]
+        gate.record = logs[i] if record is not None else None
+    try:
+        yield
+    finally:
+        for gate in gates:
+            gate.replay = gate.record = None
+        if record is not None and gates:
+            record.append(torch.stack([torch.cat(l) for l in logs], 1))   # [n_tokens, layers, k]
+
+
+# ---- FSDP2 and the whole recipe -------------------------------------------------------------
+def parallelize(model: torch.nn.Module, dims: ParallelDims, *, param_dtype: torch.dtype,
+                activation_checkpointing: bool = False, offload: bool = False,
+                routing_hooks: bool = False) -> torch.nn.Module:
+    """TP -> EP -> CP attention -> activation checkpointing -> fully_shard per block, then root.
+    Routers are their own FSDP unit in fp32; expert weights are sharded over "efsdp"."""
+    if dims.tp > 1:
+        apply_tp(model, dims.mesh["tp"])
+    if dims.ep > 1 and hasattr(model.model.layers[0].mlp, "experts"):
+        apply_ep(model, dims)
+    if dims.cp > 1:
+        apply_cp(model, dims)
+    if routing_hooks:
+        install_routing_hooks(model)
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # pin_memory needs an accelerator: CPUOffloadPolicy() fails on a CPU-only machine.
+    extra = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())} if offload else {}
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    mesh = dims.dp_cp_mesh
+    units = []
+    for block in model.model.layers:
+        for gate in moe_gates_of(block):
+            units.append(fully_shard(gate, mesh=mesh, mp_policy=fp32, **extra))   # the router runs in fp32
+        if isinstance(getattr(block.mlp, "experts", None), EPExperts):
+            units.append(fully_shard(block.mlp.experts, mesh=dims.ep_mesh["efsdp"], mp_policy=mp, **extra))
+        units.append(fully_shard(block, mesh=mesh, mp_policy=mp, **extra))
+    units.append(fully_shard(model, mesh=mesh, mp_policy=mp, **extra))
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)   # SUM over data ranks: losses are globally normalized
+        unit.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no PREMUL_SUM)
+    for m in model.modules():
+        if isinstance(m, EPExperts):
+            for p in m.parameters():
+                p._molt_ep = True              # its norm is summed over the EP group too
     return model
+
+
+def moe_gates_of(block: torch.nn.Module) -> list[torch.nn.Module]:
+    mlp = getattr(block, "mlp", None)
+    return [mlp.gate] if mlp is not None and hasattr(mlp, "gate") and hasattr(mlp, "experts") else []
+
+
+def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float, dims: ParallelDims) -> float:
+    """Global L2 norm of the gradients of every layout (FSDP/TP DTensors on different meshes,
+    EP experts split over the EP group), then clip in place. Same collectives on every rank."""
+    from torch.distributed.tensor import DTensor, Replicate
+    sums: dict[tuple, torch.Tensor] = {}
+    for p in params:
+        if p.grad is None:
+            continue
+        g = p.grad
+        local = g.to_local() if isinstance(g, DTensor) else g
+        sq = local.detach().float().pow(2).sum()
+        groups = []
+        if isinstance(g, DTensor):  # sum the squares over the dims where g is split
+            groups = [g.device_mesh.get_group(i) for i, pl in enumerate(g.placements) if not isinstance(pl, Replicate)]
+        if getattr(p, "_molt_ep", False):
+            groups.append(dims.group("ep"))
+        key = tuple(id(x) for x in groups)
+        sums.setdefault(key, [groups, torch.zeros((), device=sq.device)])[1].add_(sq)
+    total = torch.zeros(())
+    for groups, sq in sums.values():
+        for grp in groups:
+            dist.all_reduce(sq, group=grp)
+        total += sq.cpu()
+    norm = float(total.sqrt())
+    if norm > max_norm and norm == norm and norm != float("inf"):
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(max_norm / (norm + 1e-6))
+    return norm

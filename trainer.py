@@ -77,25 +77,48 @@ def needs_reference(cfg: dict) -> bool:
     return cfg["estimator"] == "on_policy_distill" or (cfg["kl_coef"] > 0 and (cfg["kl_loss"] or cfg["kl_in_reward"]))
 
 
-def collate(trajectories: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+def collate(trajectories: list[dict], pad_id: int, multiple: int = 1) -> dict[str, torch.Tensor]:
     """Right-pad trajectories; every [B, T] tensor is aligned to *predicted*
-    tokens: position t holds token t+1 and what is known about it."""
-    T = max(len(t["tokens"]) for t in trajectories)
+    tokens: position t holds token t+1 and what is known about it. T is rounded
+    up to a multiple of `multiple` (the CP degree). An optional "routing" field
+    ([len(tokens)][layers][k] expert ids recorded at sampling) becomes
+    "routing" [B, T, layers, k], aligned to the input positions."""
+    T = -(-(max(len(t["tokens"]) for t in trajectories) - 1) // multiple) * multiple + 1
 
     def pad(key, value, dtype):
         return torch.tensor([t[key] + [value] * (T - len(t[key])) for t in trajectories], dtype=dtype)
 
-    tokens = pad("tokens", pad_id, torch.long)                # [B, T]
-    return {
-        "input_ids": tokens[:, :-1],                          # [B, T-1]
-        "targets": tokens[:, 1:],                             # [B, T-1]
-        "mask": pad("mask", 0, torch.float32)[:, 1:],         # [B, T-1] 1 = sampled by the policy
+    tokens = pad("tokens", pad_id, torch.long)                # [B, T+1]
+    batch = {
+        "input_ids": tokens[:, :-1],                          # [B, T]
+        "targets": tokens[:, 1:],                             # [B, T]
+        "lengths": torch.tensor([len(t["tokens"]) - 1 for t in trajectories]),  # [B] real positions
+        "mask": pad("mask", 0, torch.float32)[:, 1:],         # [B, T] 1 = sampled by the policy
         "rollout_logprobs": pad("logprobs", 0.0, torch.float32)[:, 1:],
         "versions": pad("versions", -1, torch.long)[:, 1:],
         "rewards": torch.tensor([t["reward"] for t in trajectories], dtype=torch.float32),
         "groups": torch.tensor([t["group"] for t in trajectories], dtype=torch.long),
         "rollout_ids": torch.tensor([t["rollout_id"] for t in trajectories], dtype=torch.long),
     }
+    if all(t.get("routing") is not None for t in trajectories):
+        L, k = len(trajectories[0]["routing"][0]), len(trajectories[0]["routing"][0][0])
+        routing = torch.zeros(len(trajectories), T, L, k, dtype=torch.long)   # [B, T, layers, k]
+        for i, t in enumerate(trajectories):
+            r = torch.tensor(t["routing"], dtype=torch.long)[:T]
+            routing[i, :len(r)] = r
+        batch["routing"] = routing
+    return batch
+
+
+def split_rows(rows: torch.Tensor, cost: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """Greedy split of `rows` into n parts of near-equal cost (largest first); order kept inside."""
+    parts: list[list[int]] = [[] for _ in range(n)]
+    loads = [0] * n
+    for j in sorted(range(len(rows)), key=lambda j: -int(cost[j])):
+        i = loads.index(min(loads))
+        parts[i].append(j)
+        loads[i] += int(cost[j])
+    return [rows[sorted(p)] for p in parts]
 
 
 class ValueModel(torch.nn.Module):
@@ -109,9 +132,9 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.model(input_ids=input_ids).last_hidden_state  # [b, T, H]
-        return self.head(hidden.float()).squeeze(-1)                 # [b, T]: V before token t+1
+    def forward(self, input_ids: torch.Tensor, **kw) -> torch.Tensor:
+        hidden = self.model(input_ids=input_ids, **kw).last_hidden_state  # [b, T, H]
+        return self.head(hidden.float()).squeeze(-1)                      # [b, T]: V before token t+1
 
 
 class Trainer:
@@ -119,11 +142,18 @@ class Trainer:
 
     Models: the policy (trained), a frozen reference (only when a KL term or
     on-policy distillation needs one; `--ref_model` or the initial policy) and
-    a critic (only for gae). All are FSDP2-sharded the same way."""
+    a critic (only for gae). All are parallelized the same way (parallel.py).
+
+    Every rank receives the WHOLE batch: it collates it, scores (old/ref logprobs,
+    values) only its own rows and all-reduces the scores, so advantages, the
+    step's token counts and the metrics are global and identical on every rank;
+    then it trains on its own share of each mini-batch (rows split by tokens
+    across data ranks, the same number of micro-batches on every rank, empty
+    ones padded with a zero-weight row so collectives never deadlock)."""
 
     def __init__(self, cfg: dict, rank: int = 0, world_size: int = 1,
                  master_addr: str = "127.0.0.1", master_port: int = 0):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         self.cfg = cfg
         torch.manual_seed(cfg["seed"])
@@ -131,20 +161,26 @@ class Trainer:
             torch.set_num_threads(cfg["train_threads"])
         self.device = parallel.init_distributed(rank, world_size, master_addr,
                                                 master_port or parallel.free_port())
-        self.dims = parallel.ParallelDims(world_size=world_size)
+        self.dims = parallel.ParallelDims(world_size=world_size, tp=cfg.get("tp_size", 1),
+                                          cp=cfg.get("cp_size", 1), ep=cfg.get("ep_size", 1))
+        self.dims.check_model(AutoConfig.from_pretrained(cfg["model"]))
         self.mesh = self.dims.build_mesh(self.device)
         self.dtype = getattr(torch, cfg["param_dtype"])
         self.tokenizer = AutoTokenizer.from_pretrained(cfg["model"])
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=torch.float32)
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
-        self.model = self._shard(model)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg["lr"], betas=(0.9, 0.99),
+        if cfg.get("freeze_router"):
+            for gate in parallel.moe_gates(model):
+                gate.weight.requires_grad_(False)
+        self.model = self._shard(model, routing_hooks=True)
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad],
+                                           lr=cfg["lr"], betas=(0.9, 0.99),
                                            weight_decay=cfg["weight_decay"], eps=1e-8)
         self.ref = None
         if needs_reference(cfg):
             self.ref = self._shard(AutoModelForCausalLM.from_pretrained(cfg["ref_model"] or cfg["model"],
-                                                                        dtype=torch.float32))
+                                                                        dtype=torch.float32), routing_hooks=True)
             self.ref.requires_grad_(False).eval()
         self.critic = self.critic_optimizer = None
         if cfg["estimator"] == "gae":
@@ -153,46 +189,138 @@ class Trainer:
                                                       betas=(0.9, 0.99), weight_decay=cfg["weight_decay"])
         self.version = 0
 
-    def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
-        return parallel.apply_fsdp(model.to(self.device), self.mesh, param_dtype=self.dtype)
+    def _shard(self, model: torch.nn.Module, routing_hooks: bool = False) -> torch.nn.Module:
+        return parallel.parallelize(model.to(self.device), self.dims, param_dtype=self.dtype,
+                                    activation_checkpointing=self.cfg.get("activation_checkpointing", False),
+                                    offload=self.cfg.get("offload") == "optimizer", routing_hooks=routing_hooks)
 
-    # ---- logprobs -------------------------------------------------------------------------
-    def _forward(self, model, input_ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logprobs of targets [b, T], logits / temperature [b, T, V]) under `model`."""
-        logits = model(input_ids=input_ids.to(self.device)).logits.float() / self.cfg["temperature"]
-        return losses.token_logprobs(logits, targets.to(self.device)), logits
+    def _reduce(self, x: torch.Tensor, group: str = "dp_cp") -> torch.Tensor:
+        """SUM over a mesh dim (no-op when it has one rank)."""
+        g = self.dims.group(group)
+        if g is not None:
+            x = x.to(self.device)
+            torch.distributed.all_reduce(x, group=g)
+        return x.cpu()
+
+    # ---- micro-batches --------------------------------------------------------------------
+    def _micro_batches(self, rows: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
+        """Split rows into micro-batches by --micro_batch_tokens (tokens in the compute:
+        packed = sum of lengths, padded = rows x longest) or else --micro_batch_size rows."""
+        budget = self.cfg.get("micro_batch_tokens")
+        if not budget:
+            return list(rows.split(self.cfg["micro_batch_size"]))
+        out, cur = [], []
+        for r in rows.tolist():
+            nxt = cur + [r]
+            cost = (sum(int(lengths[i]) for i in nxt) if self.cfg.get("packing")
+                    else len(nxt) * max(int(lengths[i]) for i in nxt))
+            if cur and cost > budget:
+                out.append(torch.tensor(cur))
+                nxt = [r]
+            cur = nxt
+        return out + ([torch.tensor(cur)] if cur else [])
+
+    def _plan(self, rows: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's micro-batches of `rows` (one optimizer step): rows split across data
+        ranks by tokens, then into micro-batches; padded with empty ones to the max count."""
+        parts = split_rows(rows, lengths[rows], self.dims.dp_shard)
+        per_rank = [self._micro_batches(p, lengths) for p in parts]
+        n = max(len(m) for m in per_rank)
+        mine = per_rank[self.dims.dp_rank]
+        return mine + [rows[:0]] * (n - len(mine))
+
+    def _inputs(self, batch: dict, mb: torch.Tensor) -> dict:
+        """Model inputs of a micro-batch and how to put outputs back on the [b, T] grid.
+
+        padded: [b, Tm] rows (Tm = longest row, a multiple of cp), each CP rank takes one
+        contiguous chunk of positions. packed: one [1, N] row, position ids reset per sample
+        and a block-diagonal causal mask (no attention across samples, no padding)."""
+        real = len(mb) > 0
+        idx = mb if real else torch.tensor([0])    # an empty micro-batch runs a zero-weight row
+        L, T = batch["lengths"][idx], batch["input_ids"].shape[1]
+        routing = batch.get("routing") if self.cfg.get("routing_replay") else None
+        cols = torch.arange(T)
+        if self.cfg.get("packing"):
+            r = torch.arange(len(idx)).repeat_interleave(L)                        # [N] row of each token
+            pos = torch.cat([torch.arange(int(l)) for l in L])                     # [N] reset per sample
+            rows_g = idx[r]
+            seg_same = r[:, None] == r[None, :]
+            attn = (seg_same & torch.ones(len(r), len(r), dtype=torch.bool).tril())[None, None]  # [1, 1, N, N]
+            inp = {"input_ids": batch["input_ids"][rows_g, pos][None], "position_ids": pos[None],
+                   "attention_mask": attn}
+            tgt = batch["targets"][rows_g, pos][None]                              # [1, N]
+            rep = routing[rows_g, pos] if routing is not None else None            # [N, layers, k]
+
+            def unpack(x):                                                         # [1, N] -> [b, T]
+                out = torch.zeros(len(idx), T, dtype=x.dtype)
+                out[r, pos] = x[0].cpu()
+                return out
+            own = cols[None, :] < L[:, None]
+        else:
+            cp, c = self.dims.cp, self.dims.cp_rank
+            Tm = -(-int(L.max()) // cp) * cp
+            c0, c1 = c * Tm // cp, (c + 1) * Tm // cp
+            inp = {"input_ids": batch["input_ids"][idx, c0:c1]}
+            if cp > 1:
+                inp["position_ids"] = torch.arange(c0, c1)[None].expand(len(idx), -1)
+            tgt = batch["targets"][idx, c0:c1]
+            rep = routing[idx, c0:c1].flatten(0, 1) if routing is not None else None
+
+            def unpack(x):                                                         # [b, c1-c0] -> [b, T]
+                out = torch.zeros(len(idx), T, dtype=x.dtype)
+                out[:, c0:c1] = x.cpu()
+                return out
+            own = (cols[None, :] < L[:, None]) & (cols >= c0) & (cols < c1)
+        return {"idx": idx, "inputs": {k: v.to(self.device) for k, v in inp.items()}, "targets": tgt.to(self.device),
+                "unpack": unpack, "own": own & real, "replay": rep}
+
+    def _forward(self, model, x: dict, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logprobs of the targets [b, T], entropy [b, T] or None) under `model`, on the grid."""
+        with parallel.routing(model, replay=x["replay"]):
+            logits = model(**x["inputs"]).logits.float() / self.cfg["temperature"]   # [b, n, V]
+        lp = losses.token_logprobs(logits, x["targets"])
+        # Keep autograd: unpack with a differentiable scatter onto the grid.
+        grid = lambda v: _scatter(v, x, self.device)
+        return grid(lp), (grid(losses.entropy(logits)) if entropy else None)
+
+    def _values(self, x: dict) -> torch.Tensor:
+        return _scatter(self.critic(**x["inputs"]), x, self.device)
 
     @torch.no_grad()
     def compute_logprobs(self, trajectories: list[dict]) -> list[list[float]]:
-        """Trainer logprobs of each trajectory's tokens (position t scores token t+1)."""
-        batch = collate(trajectories, self.pad_id)
-        out = []
-        for mb in torch.arange(len(trajectories)).split(self.cfg["micro_batch_size"]):
-            out += self._forward(self.model, batch["input_ids"][mb], batch["targets"][mb])[0].cpu().tolist()
-        return [row[:len(t["tokens"]) - 1] for row, t in zip(out, trajectories)]
+        """Trainer logprobs of each trajectory's tokens (position t scores token t+1).
+        With several ranks every rank must be called with the same trajectories."""
+        batch = collate(trajectories, self.pad_id, self.dims.cp)
+        old = self._score(batch, ref=False, values=False)["old"]
+        return [row[:len(t["tokens"]) - 1] for row, t in zip(old.tolist(), trajectories)]
 
     @torch.no_grad()
-    def _score(self, batch: dict) -> dict[str, torch.Tensor]:
+    def _score(self, batch: dict, ref: bool = True, values: bool = True) -> dict[str, torch.Tensor]:
         """Everything computed once per step before any update: old logprobs and entropy
-        (policy at the version that sampled), reference logprobs, old values."""
+        (policy at the version that sampled), reference logprobs, old values. Each rank
+        scores its rows (and CP chunk), then one all-reduce makes them global."""
         self.model.eval()
         B = batch["mask"].shape[0]
-        out = {k: torch.zeros_like(batch["mask"]) for k in ("old", "entropy", "ref", "values")}
-        for mb in torch.arange(B).split(self.cfg["micro_batch_size"]):
-            ids, tgt = batch["input_ids"][mb], batch["targets"][mb]
-            lp, logits = self._forward(self.model, ids, tgt)
-            out["old"][mb], out["entropy"][mb] = lp.cpu(), losses.entropy(logits).cpu()
-            if self.ref is not None:
-                out["ref"][mb] = self._forward(self.ref, ids, tgt)[0].cpu()
-            if self.critic is not None:
-                out["values"][mb] = self.critic(ids.to(self.device)).cpu()
-        return out
+        keys = ("old", "entropy", "ref", "values")
+        out = {k: torch.zeros_like(batch["mask"]) for k in keys}
+        for mb in self._plan(torch.arange(B), batch["lengths"]):
+            x = self._inputs(batch, mb)
+            own, i = x["own"], x["idx"]
+            lp, ent = self._forward(self.model, x, entropy=True)
+            out["old"][i] += lp.cpu() * own
+            out["entropy"][i] += ent.cpu() * own
+            if ref and self.ref is not None:
+                out["ref"][i] += self._forward(self.ref, x)[0].cpu() * own
+            if values and self.critic is not None:
+                out["values"][i] += self._values(x).cpu() * own
+        summed = self._reduce(torch.stack([out[k] for k in keys]))
+        return dict(zip(keys, summed.unbind(0)))
 
     # ---- one RL step ------------------------------------------------------------------------
     def train_step(self, trajectories: list[dict]) -> dict:
         t0 = time.perf_counter()
         cfg = self.cfg
-        batch = collate(trajectories, self.pad_id)
+        batch = collate(trajectories, self.pad_id, self.dims.cp)
         mask, rewards = batch["mask"], batch["rewards"]
         if cfg["reward_clip"] is not None:
             rewards = rewards.clamp(-cfg["reward_clip"], cfg["reward_clip"])
@@ -214,31 +342,36 @@ class Trainer:
             values=old_values if self.critic is not None else None, gamma=cfg["gamma"], lam=cfg["lam"])
 
         # PPO: --ppo_epochs passes over the batch, each split into --mini_batches optimizer
-        # steps; every micro-batch is normalized by the tokens (or rows) of its optimizer step.
+        # steps; every micro-batch (on every rank) is normalized by the tokens (or rows) of
+        # its whole optimizer step, and FSDP sums the gradients over data ranks.
         self.model.train()
         shuffle = torch.Generator().manual_seed(cfg["seed"] * 100_003 + self.version)
         totals: dict[str, float] = {}
+        norms: dict[str, float] = {}
         updates = 0
         for _ in range(cfg["ppo_epochs"]):
             order = torch.randperm(B, generator=shuffle) if cfg["mini_batches"] > 1 else torch.arange(B)
             for rows in order.chunk(cfg["mini_batches"]):
                 step_tokens, step_rows = mask[rows].sum().clamp(min=1), len(rows)
-                for mb in rows.split(cfg["micro_batch_size"]):
-                    parts = self._micro_loss(batch, mb, old, ref, advantages, weights, step_tokens, step_rows)
+                for mb in self._plan(rows, batch["lengths"]):
+                    x = self._inputs(batch, mb)
+                    parts = self._micro_loss(batch, x, old, ref, advantages, weights, step_tokens, step_rows)
                     if self.critic is not None:
-                        parts.update(self._critic_loss(batch, mb, old_values, returns, step_tokens))
+                        parts.update(self._critic_loss(batch, x, old_values, returns, step_tokens))
                     sum(v for k, v in parts.items() if k.endswith("loss")).backward()
                     for k, v in parts.items():
-                        totals[k] = totals.get(k, 0.0) + float(v)
-                totals["grad_norm"] = totals.get("grad_norm", 0.0) + self._step(self.model, self.optimizer)
+                        totals[k] = totals.get(k, 0.0) + float(v.detach() if torch.is_tensor(v) else v)
+                norms["grad_norm"] = norms.get("grad_norm", 0.0) + self._step(self.model, self.optimizer)
                 if self.critic is not None:
-                    totals["critic_grad_norm"] = (totals.get("critic_grad_norm", 0.0)
-                                                  + self._step(self.critic, self.critic_optimizer))
+                    norms["critic_grad_norm"] = (norms.get("critic_grad_norm", 0.0)
+                                                 + self._step(self.critic, self.critic_optimizer))
                 updates += 1
         self.version += 1
+        keys = sorted(totals)  # the same keys on every rank
+        totals = dict(zip(keys, self._reduce(torch.tensor([totals[k] for k in keys], dtype=torch.float64)).tolist()))
 
         action = mask.bool()
-        metrics = {k: v / updates for k, v in totals.items()}
+        metrics = {k: v / updates for k, v in {**totals, **norms}.items()}
         metrics.update({
             "optimizer_steps": updates,
             "entropy": scored["entropy"][action].mean().item(),
@@ -256,36 +389,46 @@ class Trainer:
             metrics["value_mean"] = old_values[action].mean().item()
         return metrics
 
-    def _micro_loss(self, batch, mb, old, ref, advantages, weights, step_tokens, step_rows) -> dict:
+    def _agg(self, x: torch.Tensor, m: torch.Tensor, i: torch.Tensor, batch: dict, step_tokens, step_rows):
+        """losses.aggregate over this rank's tokens with the step's global counts. Under CP a
+        row is split across ranks, so per-row means use the row's full token count."""
+        mode = self.cfg["loss_agg"]
+        if mode == "seq_mean_token_mean" and self.dims.cp > 1:
+            full = batch["mask"][i].sum(1).clamp(min=1).to(x.device)
+            x = x * (m.sum(1).clamp(min=1) / full)[:, None]
+        return losses.aggregate(x, m, mode, num_tokens=step_tokens, num_seqs=step_rows)
+
+    def _micro_loss(self, batch, x, old, ref, advantages, weights, step_tokens, step_rows) -> dict:
         """Policy loss (+ KL loss, - entropy bonus) of one micro-batch, already normalized."""
-        cfg = self.cfg
-        lp, logits = self._forward(self.model, batch["input_ids"][mb], batch["targets"][mb])
+        cfg, i = self.cfg, x["idx"]
+        lp, ent = self._forward(self.model, x, entropy=bool(cfg["entropy_coef"]))
         dev = lp.device
-        m = batch["mask"][mb].to(dev)
-        per_token, pm = losses.policy_loss(cfg["loss"], lp, old[mb].to(dev), advantages[mb].to(dev), m,
+        m = (batch["mask"][i] * x["own"]).to(dev)
+        per_token, pm = losses.policy_loss(cfg["loss"], lp, old[i].to(dev), advantages[i].to(dev), m,
                                            eps_low=cfg["eps_clip"][0], eps_high=cfg["eps_clip"][1],
                                            dual_clip=cfg["dual_clip"])
-        agg = lambda x: losses.aggregate(x, m, cfg["loss_agg"], num_tokens=step_tokens, num_seqs=step_rows)
+        agg = lambda v: self._agg(v, m, i, batch, step_tokens, step_rows)
         share = m.sum().item() / step_tokens.item()  # this micro-batch's share of the step's tokens
-        parts = {"policy_loss": agg(per_token * weights[mb].to(dev)),
+        parts = {"policy_loss": agg(per_token * weights[i].to(dev)),
                  "clip_frac": float(pm["clip_frac"]) * share}
         if cfg["kl_loss"]:
-            parts["kl_loss"] = cfg["kl_coef"] * agg(losses.kl(lp, ref[mb].to(dev), cfg["kl_estimator"]))
+            parts["kl_loss"] = cfg["kl_coef"] * agg(losses.kl(lp, ref[i].to(dev), cfg["kl_estimator"]))
         if cfg["entropy_coef"]:
-            parts["entropy_loss"] = -cfg["entropy_coef"] * agg(losses.entropy(logits))
+            parts["entropy_loss"] = -cfg["entropy_coef"] * agg(ent)
         return parts
 
-    def _critic_loss(self, batch, mb, old_values, returns, step_tokens) -> dict:
-        m = batch["mask"][mb].to(self.device)
-        values = self.critic(batch["input_ids"][mb].to(self.device))
-        per_token = losses.value_loss(values, old_values[mb].to(self.device), returns[mb].to(self.device), m,
+    def _critic_loss(self, batch, x, old_values, returns, step_tokens) -> dict:
+        i = x["idx"]
+        m = (batch["mask"][i] * x["own"]).to(self.device)
+        values = self._values(x)
+        per_token = losses.value_loss(values, old_values[i].to(self.device), returns[i].to(self.device), m,
                                       self.cfg["value_clip"])
         return {"value_loss": losses.aggregate(per_token, m, "token_mean", num_tokens=step_tokens)}
 
     def _step(self, model, optimizer) -> float:
         """Clip, step (skipped on a non-finite norm: never poison the weights), zero grads."""
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg["grad_clip"])
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        params = [p for p in model.parameters() if p.requires_grad]
+        norm = parallel.clip_grad_norm_(params, self.cfg["grad_clip"], self.dims)
         if math.isfinite(norm):
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -293,20 +436,55 @@ class Trainer:
 
     # ---- weights out ----------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full weights in transformers' in-memory names (MoE experts fused [E, ...]), on CPU.
+        Every rank must call it (collectives); rank 0 gets the tensors."""
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
                                                                        cpu_offload=True))
+        for name, module in self.model.named_modules():
+            if isinstance(module, parallel.EPExperts):  # gather this rank's experts, then all EP ranks'
+                for pname, p in module.named_parameters():
+                    local = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+                    parts = [torch.empty_like(local) for _ in range(self.dims.ep)]
+                    torch.distributed.all_gather(parts, local.contiguous(), group=self.dims.group("ep"))
+                    sd[f"{name}.{pname}"] = torch.cat(parts).cpu()   # [E, ...]
         if self.tied:
             sd.pop("lm_head.weight", None)  # the engine ties it to the embedding itself
         return sd
 
+    def sync_state_dict(self) -> dict[str, torch.Tensor]:
+        """What the engine receives: checkpoint names vLLM's load_weights takes (MoE experts
+        per expert: experts.{e}.gate_proj/up_proj/down_proj.weight), frozen routers left out."""
+        out = {}
+        for k, v in self.full_state_dict().items():
+            if k.endswith("mlp.experts.gate_up_proj"):        # [E, 2I, H]
+                base, inter = k[:-len("gate_up_proj")], v.shape[1] // 2
+                for e in range(v.shape[0]):
+                    out[f"{base}{e}.gate_proj.weight"] = v[e, :inter]
+                    out[f"{base}{e}.up_proj.weight"] = v[e, inter:]
+            elif k.endswith("mlp.experts.down_proj"):         # [E, H, I]
+                for e in range(v.shape[0]):
+                    out[f"{k[:-len('down_proj')]}{e}.down_proj.weight"] = v[e]
+            elif self.cfg.get("freeze_router") and k.endswith("mlp.gate.weight"):
+                continue                                      # never changes: nothing to send
+            else:
+                out[k] = v
+        return out
+
     def weights_blob(self) -> bytes:
         """Full weights as safetensors bytes, in the checkpoint names vLLM loads."""
-        return safetensors.torch.save({k: v.contiguous() for k, v in self.full_state_dict().items()})
+        return safetensors.torch.save({k: v.contiguous() for k, v in self.sync_state_dict().items()})
+
+    def weight_names(self) -> list[str]:
+        """Names in every weights_blob (for --check_weight_sync: the engine compares them with
+        its own parameters). Every rank must call it."""
+        return sorted(self.sync_state_dict())
 
     def export(self, path: str) -> str:
         """Write a save_pretrained folder (model + tokenizer) that vLLM and transformers load."""
         from transformers import AutoModelForCausalLM
         sd = self.full_state_dict()
+        if self.dims.rank != 0:
+            return path
         model = AutoModelForCausalLM.from_pretrained(self.cfg["model"], dtype=torch.float32)
         model.load_state_dict(sd, strict=not self.tied)
         if self.tied:
@@ -319,25 +497,83 @@ class Trainer:
     def get_version(self) -> int:
         return self.version
 
+    # ---- checkpoints ------------------------------------------------------------------------
+    def _ckpt_state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        msd, osd = get_state_dict(self.model, self.optimizer)
+        state = {"model": _ep_keys(msd, self), "optim": _ep_keys(osd, self),
+                 "version": torch.tensor(self.version)}
+        if self.critic is not None:
+            csd, cosd = get_state_dict(self.critic, self.critic_optimizer)
+            state.update(critic=csd, critic_optim=cosd)
+        return state
+
+    def save_checkpoint(self, path: str) -> str:
+        """Model, optimizer, critic (+ its optimizer) and version with torch.distributed.checkpoint:
+        every rank writes its own shards (all ranks must call it). EP checkpoints reload under the
+        same --ep_size; other layouts reshard on load."""
+        import torch.distributed.checkpoint as dcp
+        dcp.save(self._ckpt_state(), checkpoint_id=path)
+        return path
+
+    def load_checkpoint(self, path: str) -> int:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        state = self._ckpt_state()
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.model, self.optimizer, model_state_dict=_ep_keys(state["model"], self, back=True),
+                       optim_state_dict=_ep_keys(state["optim"], self, back=True))
+        if self.critic is not None:
+            set_state_dict(self.critic, self.critic_optimizer, model_state_dict=state["critic"],
+                           optim_state_dict=state["critic_optim"])
+        self.version = int(state["version"])
+        return self.version
+
+
+def _scatter(v: torch.Tensor, x: dict, device) -> torch.Tensor:
+    """Differentiable put of a micro-batch output ([b, n] padded chunk or [1, N] packed) on
+    the [b, T] grid of its rows (zeros elsewhere)."""
+    probe = x["unpack"](torch.arange(1, v.numel() + 1, dtype=torch.long).view_as(v))  # where each value goes
+    where = probe.to(device).flatten()
+    flat = torch.cat([torch.zeros(1, dtype=v.dtype, device=v.device), v.flatten()])
+    return flat[where].view(probe.shape)
+
+
+def _ep_keys(sd: dict, trainer: "Trainer", back: bool = False) -> dict:
+    """EP ranks hold different experts under the same names: tag them with the EP rank so the
+    checkpoint keeps them apart (and untag on load)."""
+    if trainer.dims.ep == 1:
+        return sd
+    tag = f"@ep{trainer.dims.ep_mesh['ep'].get_local_rank()}"
+    rename = ((lambda k: k[:-len(tag)] if k.endswith(tag) else k) if back
+              else (lambda k: k + tag if ".mlp.experts." in k else k))
+    if "state" in sd and "param_groups" in sd:  # an optimizer state dict
+        return {"state": {rename(k): v for k, v in sd["state"].items()},
+                "param_groups": [{**g, "params": [rename(k) for k in g["params"]]} for g in sd["param_groups"]]}
+    return {rename(k): v for k, v in sd.items()}
+
 
 class TrainerGroup:
     """The trainer ranks as Ray actors forming one process group; the loop talks
     to the group, and every collective (the step, the full state dict) runs on
-    all ranks. Rows are split across data-parallel ranks balanced by tokens."""
+    all ranks. Every rank gets the whole batch (one object-store copy) and trains
+    on its token-balanced share of it (see Trainer)."""
 
     def __init__(self, cfg: dict):
         import ray
         n = cfg["train_workers"]
         addr, port = ray.util.get_node_ip_address(), parallel.free_port()
-        self.workers = [ray.remote(Trainer).options(num_cpus=0).remote(cfg, rank, n, addr, port)
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) else 0  # one GPU per rank where there are GPUs
+        self.workers = [ray.remote(Trainer).options(num_cpus=0, num_gpus=gpus).remote(cfg, rank, n, addr, port)
                         for rank in range(n)]
 
     def ready(self) -> list:
         return [w.get_version.remote() for w in self.workers]
 
     async def train_step(self, trajectories: list[dict]) -> dict:
-        parts = split_balanced(trajectories, len(self.workers))
-        results = await asyncio.gather(*[w.train_step.remote(p) for w, p in zip(self.workers, parts)])
+        import ray
+        ref = ray.put(trajectories)
+        results = await asyncio.gather(*[w.train_step.remote(ref) for w in self.workers])
         return results[0]
 
     def weights_blob(self):
@@ -351,10 +587,5 @@ class TrainerGroup:
 
 def split_balanced(trajectories: list[dict], n: int) -> list[list[dict]]:
     """Greedy split into n parts of near-equal token count (longest first)."""
-    parts: list[list[dict]] = [[] for _ in range(n)]
-    loads = [0] * n
-    for t in sorted(trajectories, key=lambda t: -len(t["tokens"])):
-        i = loads.index(min(loads))
-        parts[i].append(t)
-        loads[i] += len(t["tokens"])
-    return parts
+    lengths = torch.tensor([len(t["tokens"]) for t in trajectories])
+    return [[trajectories[i] for i in p.tolist()] for p in split_rows(torch.arange(len(trajectories)), lengths, n)]

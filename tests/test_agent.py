@@ -85,15 +85,3 @@ def test_load_agent(tmp_path):
         agents.load_agent(str(none))
     with pytest.raises(ValueError, match="no such file"):
         agents.load_agent(str(tmp_path / "missing.py"))
-
-
-def test_read_dataset_errors_name_the_line(tmp_path):
-    f = tmp_path / "d.jsonl"
-    f.write_text(json.dumps({"prompt": "1?2=", "label": "2"}) + "\n\n{oops\n")
-    with pytest.raises(ValueError, match=r"d.jsonl:3: not valid JSON"):
-        agents.read_dataset(str(f))
-    f.write_text(json.dumps({"question": "x"}) + "\n")
-    with pytest.raises(ValueError, match=r"d.jsonl:1: missing field 'prompt'"):
-        agents.read_dataset(str(f))
-    rows = agents.read_dataset(str(f), input_key="question")
-    assert rows == [{"question": "x", "prompt": "x", "label": None}]

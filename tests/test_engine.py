@@ -29,7 +29,7 @@ def engine(tiny_model, loop):
 
 
 async def _make(model):
-    return Generator(model, max_len=128, seed=0)
+    return Generator(model, max_len=512, seed=0)
 
 
 def trainer_cfg(model: str, **overrides) -> dict:
@@ -81,8 +81,8 @@ def test_sampling_logprobs_match_trainer_before_and_after_sync(engine, trainer, 
     stale = _sample(engine, loop, tiny_tokenizer)
     assert _gap(trainer, stale)[1] > 1e-3  # the engine still has the old weights
 
-    seconds = loop.run_until_complete(engine.update_weights(trainer.weights_blob(), trainer.version))
-    assert seconds > 0 and engine.version == trainer.version == 1
+    sync = loop.run_until_complete(engine.update_weights(trainer.weights_blob(), trainer.version))
+    assert sync["seconds"] > 0 and sync["missing"] == [] and engine.version == trainer.version == 1
     fresh = _sample(engine, loop, tiny_tokenizer)
     assert all(v == 1 for t in fresh for v, m in zip(t["versions"], t["mask"]) if m)
     worst, mean = _gap(trainer, fresh)
@@ -117,7 +117,7 @@ def test_partial_rollout_keeps_requests_across_a_weight_update(engine, trainer, 
     try:
         async def scenario():
             task = asyncio.create_task(engine.generate(
-                prompt, {"temperature": TEMPERATURE, "max_tokens": 115, "ignore_eos": True}))
+                prompt, {"temperature": TEMPERATURE, "max_tokens": 300, "ignore_eos": True}))
             await asyncio.sleep(0.1)
             await engine.update_weights(trainer.weights_blob(), trainer.version)
             return await task
@@ -125,7 +125,7 @@ def test_partial_rollout_keeps_requests_across_a_weight_update(engine, trainer, 
     finally:
         engine.partial_rollout = False
     versions = out["versions"]
-    assert len(out["token_ids"]) == 115 and versions[0] == trainer.version - 1 and versions[-1] == trainer.version
+    assert len(out["token_ids"]) == 300 and versions[0] == trainer.version - 1 and versions[-1] == trainer.version
     assert versions == sorted(versions), "versions only move forward within a sequence"
     ids = torch.tensor([prompt + out["token_ids"]])
     for model, v in ((old_model, trainer.version - 1), (new_model, trainer.version)):
@@ -135,3 +135,52 @@ def test_partial_rollout_keeps_requests_across_a_weight_update(engine, trainer, 
         mine = torch.tensor([v_ == v for v_ in versions])
         assert mine.any()
         assert torch.allclose(ref[mine], torch.tensor(out["logprobs"])[mine], atol=1e-3), v
+
+
+def test_weight_sync_coverage_check_names_a_skipped_parameter(engine, trainer, loop):
+    import safetensors.torch
+    weights = trainer.full_state_dict()
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    blob = safetensors.torch.save({k: v.contiguous() for k, v in weights.items()})
+    sync = loop.run_until_complete(engine.update_weights(blob, trainer.version))
+    assert sync["missing"] == ["model.layers.1.mlp.down_proj.weight"]
+    loop.run_until_complete(engine.update_weights(trainer.weights_blob(), trainer.version))  # restore
+
+
+def test_prefix_cache_is_reset_by_a_weight_update(engine, trainer, loop, tiny_tokenizer, tmp_path):
+    """A 300-token prefix fills full KV blocks (CPU block size 128): after an update, a
+    repeat of the same prompt must not reuse the old weights' KV."""
+    from transformers import AutoModelForCausalLM
+    prompt = tiny_tokenizer.apply_chat_template([{"role": "user", "content": "1+2=3, " * 42}],
+                                                add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert len(prompt) > 256
+    params = {"temperature": TEMPERATURE, "max_tokens": 8, "ignore_eos": True}
+    loop.run_until_complete(engine.generate(prompt, params))  # caches the prefix under the current weights
+    trainer.train_step(_sample(engine, loop, tiny_tokenizer))
+    loop.run_until_complete(engine.update_weights(trainer.weights_blob(), trainer.version))
+    out = loop.run_until_complete(engine.generate(prompt, params))
+    model = AutoModelForCausalLM.from_pretrained(trainer.export(str(tmp_path / "m")), dtype=torch.float32)
+    ids = torch.tensor([prompt + out["token_ids"]])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1] / TEMPERATURE, -1)
+    ref = lp.gather(-1, ids[0, len(prompt):, None])[:, 0]
+    assert torch.allclose(ref, torch.tensor(out["logprobs"]), atol=1e-4)
+
+
+def test_ngram_speculative_decoding_is_lossless(tiny_model, tiny_tokenizer, loop, engine, trainer):
+    """Greedy tokens equal those without speculation, and the logprobs are the target model's."""
+    async def make():
+        return Generator(tiny_model, max_len=512, seed=0, spec_decode="ngram", spec_tokens=3)
+    spec = loop.run_until_complete(make())
+    try:
+        for gen in (spec, engine):  # both on the trainer's current weights
+            loop.run_until_complete(gen.update_weights(trainer.weights_blob(), trainer.version))
+        prompt = tiny_tokenizer.apply_chat_template([{"role": "user", "content": "12121212?"}],
+                                                    add_generation_prompt=True, tokenize=True)["input_ids"]
+        greedy = {"temperature": 0.0, "max_tokens": 40, "ignore_eos": True}
+        plain_out = loop.run_until_complete(engine.generate(prompt, greedy))
+        spec_out = loop.run_until_complete(spec.generate(prompt, greedy))
+        assert spec_out["token_ids"] == plain_out["token_ids"]
+        assert torch.allclose(torch.tensor(spec_out["logprobs"]), torch.tensor(plain_out["logprobs"]), atol=1e-4)
+    finally:
+        spec.shutdown()

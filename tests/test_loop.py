@@ -37,7 +37,8 @@ def test_short_run_trains_logs_and_cleans_up(tiny_model, tmp_path):
     agent = tmp_path / "flaky.py"
     agent.write_text(FLAKY_AGENT)
     out = tmp_path / "run"
-    summary = main.main(["--model", tiny_model, "--agent", str(agent), "--steps", "3",
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    summary = main.main(["--model", tiny_model, "--agent", str(agent), "--steps", "3", "--train_workers", "2",
                          "--output_dir", str(out), *SMALL])
     lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3]
@@ -55,7 +56,8 @@ def test_short_run_trains_logs_and_cleans_up(tiny_model, tmp_path):
     # Nothing left behind: no Ray, no vLLM engine processes.
     import ray
     assert not ray.is_initialized()
-    leftovers = [p.name() for p in psutil.Process().children(recursive=True)]
+    leftovers = [p.name() for p in psutil.Process().children(recursive=True)
+                 if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE]
     assert not leftovers, leftovers
 
 
@@ -76,7 +78,7 @@ def test_async_partial_rollout_checkpoint_resume_and_replay(tiny_model, tmp_path
     import loop
     out, dump = tmp_path / "run", tmp_path / "dump"
     common = ["--model", tiny_model, "--output_dir", str(out), *SMALL, "--export_hf", "none"]
-    main.main([*common, "--steps", "2", "--async_depth", "1", "--partial_rollout", "--eval_every", "2",
+    main.main([*common, "--steps", "2", "--async_depth", "1", "--partial_rollout", "--num_engines", "2", "--eval_every", "2",
                "--eval_prompts", "4", "--save_every", "1", "--keep_checkpoints", "1", "--dump_rollouts", str(dump)])
     lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2]

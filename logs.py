@@ -1,0 +1,187 @@
+"""Where metrics go: metrics.jsonl always, plus TensorBoard / W&B / MLflow, and plots.
+
+    sink = Sinks(cfg)          # opens metrics.jsonl in --output_dir and every --logger backend
+    sink.log(metrics)          # one step: the same metric names everywhere ("step" is the x axis)
+    sink.close()
+    plot(["runs/a", "runs/b"], "compare.png")    # reward, length, KL/mismatch, step time
+
+The run's flags (config.json in the run folder, written by loop.run) are also
+recorded in each backend: TensorBoard hparams + a "config" text, W&B config,
+MLflow params. W&B runs offline by default (--wandb_mode): no network needed,
+`wandb sync RUN_DIR/wandb/offline-run-*` uploads later. MLflow writes to a
+local store under the run folder (`mlflow ui --backend-store-uri RUN_DIR/mlruns`) unless --mlflow_uri says otherwise.
+
+    python plot.py runs/latest runs/other -o compare.png
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+PIP = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "matplotlib": "matplotlib"}
+
+
+def _numbers(metrics: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+def _flat_config(cfg: dict) -> dict[str, str | int | float | bool]:
+    """Flags as scalars: lists and None become text (what hparams/params accept)."""
+    out = {}
+    for k, v in cfg.items():
+        out[k] = v if isinstance(v, (int, float, bool, str)) else json.dumps(v, default=str)
+    return out
+
+
+def _need(module: str):
+    import importlib.util
+    if importlib.util.find_spec(module) is None:
+        raise ValueError(f"--logger {module} needs the '{PIP[module]}' package: pip install {PIP[module]}")
+
+
+class Sinks:
+    """metrics.jsonl plus each backend of `cfg["logger"]`, opened at once, closed at once."""
+
+    def __init__(self, cfg: dict, append: bool = False):
+        self.out = Path(cfg["output_dir"])
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.jsonl = (self.out / "metrics.jsonl").open("a" if append else "w")  # append on --resume
+        self.tb = self.wandb = self.mlflow = None
+        backends = cfg.get("logger") or []
+        name = cfg.get("run_name") or self.out.resolve().name
+        flat = _flat_config(cfg)
+        if "tensorboard" in backends:
+            _need("tensorboard")
+            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard.summary import hparams
+            self.tb = SummaryWriter(str(self.out / "tensorboard"))
+            self.tb.add_text("config", "```\n" + json.dumps(cfg, indent=1, default=str) + "\n```")
+            for summary in hparams(flat, {"reward_mean": 0.0}):   # the HParams tab, same run folder
+                self.tb.file_writer.add_summary(summary)
+        if "wandb" in backends:
+            _need("wandb")
+            import wandb
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self.wandb = wandb.init(project=cfg.get("wandb_project") or "molt", name=name, config=cfg,
+                                    dir=str(self.out),
+                                    mode=cfg.get("wandb_mode") or os.environ.get("WANDB_MODE") or "offline", reinit="create_new")
+            self.wandb.define_metric("*", step_metric="step")
+        if "mlflow" in backends:
+            _need("mlflow")
+            # a local file store; mlflow 3 keeps it in "maintenance mode" and asks for this opt-in
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            import mlflow
+            # not $MLFLOW_TRACKING_URI: set_tracking_uri writes it, so a second run would inherit the first's
+            mlflow.set_tracking_uri(cfg.get("mlflow_uri") or (self.out / "mlruns").resolve().as_uri())
+            mlflow.set_experiment(cfg.get("wandb_project") or "molt")
+            self.mlflow = mlflow
+            mlflow.start_run(run_name=name)
+            mlflow.log_params({k: str(v)[:6000] for k, v in flat.items()})
+
+    def log(self, metrics: dict) -> None:
+        self.jsonl.write(json.dumps(metrics) + "\n")
+        self.jsonl.flush()
+        step = int(metrics.get("step", 0))
+        nums = _numbers(metrics)
+        if self.tb is not None:
+            for k, v in nums.items():
+                self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(nums)
+        if self.mlflow is not None:
+            self.mlflow.log_metrics({k: v for k, v in nums.items() if k != "step"}, step=step)
+
+    def close(self) -> None:
+        self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        if self.mlflow is not None:
+            self.mlflow.end_run()
+
+
+# ---------------------------------------------------------------- pictures
+
+PANELS = [  # (title, metric names tried in order: the first present is drawn)
+    ("reward (mean)", ["reward_mean"]),
+    ("response length (tokens)", ["response_len"]),
+    ("KL to reference / engine-trainer mismatch", ["ref_kl_k3", "mismatch_k3", "mismatch_abs"]),
+    ("step time (s)", ["step_s"]),
+]
+
+
+def read_metrics(run: str | Path) -> list[dict]:
+    path = Path(run)
+    path = path / "metrics.jsonl" if path.is_dir() else path
+    if not path.is_file():
+        raise ValueError(f"{run}: no metrics.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot(runs: list[str | Path], out: str | Path) -> str:
+    """One PNG: a 2x2 grid of reward, response length, KL/mismatch and step time over steps,
+    every run overlaid (labelled by its folder name)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), squeeze=False)
+    for run in runs:
+        rows = read_metrics(run)
+        label = Path(run).resolve().name if Path(run).is_dir() else Path(run).resolve().parent.name
+        for ax, (title, keys) in zip(axes.flat, PANELS):
+            key = next((k for k in keys if any(k in r for r in rows)), None)
+            if key is None:
+                continue
+            pts = [(r.get("step", i + 1), r[key]) for i, r in enumerate(rows) if key in r]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{label}: {key}" if len(keys) > 1 else label)
+    for ax, (title, _) in zip(axes.flat, PANELS):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return str(out)
+
+
+# ---------------------------------------------------------------- the README's flag reference
+
+def flags_markdown(parser, root: str | None = None) -> str:
+    """Every flag of `parser` as Markdown tables, one per argument group (docs/flags.py prints it).
+    Defaults under `root` (the checkout) are shown relative to it, so the table is the same anywhere."""
+    lines = []
+    for group in parser._action_groups:
+        actions = [a for a in group._group_actions if a.option_strings and a.dest != "help"]
+        if not actions:
+            continue
+        lines += [f"**{group.title}**", "", "| flag | default | meaning |", "|---|---|---|"]
+        for a in actions:
+            flag = ", ".join(a.option_strings)
+            if a.choices:
+                flag += " {" + "|".join(map(str, a.choices)) + "}"
+            elif a.nargs not in (None, 0) and a.metavar:
+                flag += " " + " ".join(a.metavar if isinstance(a.metavar, tuple) else [a.metavar])
+            value = a.default
+            if root and isinstance(value, str) and value.startswith(root):
+                value = os.path.relpath(value, root)
+            default = "" if value in (None, False, []) or value is argparse_suppress() else f"`{value}`"
+            help_text = (a.help or "").replace("|", "\\|").replace("\n", " ")
+            flag = flag.replace("|", "\\|")   # a pipe in a table cell, even in code, must be escaped
+            lines.append(f"| `{flag}` | {default} | {help_text} |")
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def argparse_suppress():
+    import argparse
+    return argparse.SUPPRESS

@@ -1,0 +1,127 @@
+"""Every agent in examples/agents/ loads and runs: Env examples through `run_env` with a
+fake engine, their graders and the Python sandbox directly. (The ChatAgent examples run
+against the real server and vLLM engine in test_chat_agent.py.)"""
+
+import asyncio
+import importlib.util
+import socket
+from pathlib import Path
+
+import pytest
+
+import agent as agents
+from _smollm import smol_tokenizer
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "agents"
+
+
+def load(name: str):
+    """The example's agent class, as `--agent` loads it, and its module (for its helpers)."""
+    cls = agents.load_agent(str(EXAMPLES / name))
+    spec = importlib.util.spec_from_file_location(f"example_{Path(name).stem}", EXAMPLES / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return cls, module
+
+
+class FakeEngine:
+    """Samples fixed replies (text, then the end of the turn); keeps the prompts it got."""
+
+    def __init__(self, tokenizer, replies):
+        self.tok, self.replies, self.prompts = tokenizer, list(replies), []
+
+    async def __call__(self, ids, sampling):
+        self.prompts.append(list(ids))
+        reply = self.tok(self.replies.pop(0), add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+        reply = reply[: sampling["max_tokens"]]
+        return {"token_ids": reply, "logprobs": [-0.5] * len(reply), "version": 0, "finish_reason": "stop"}
+
+
+def run_env(cls, row, tokenizer, replies, max_len=1024):
+    engine = FakeEngine(tokenizer, replies)
+    traj = asyncio.run(agents.run_env(cls(), row, engine, tokenizer, sampling={"temperature": 1.0, "max_tokens": 200},
+                                      max_len=max_len))
+    return traj, engine
+
+
+@pytest.mark.parametrize("file, kind", [("max_digit.py", "Env"), ("arithmetic.py", "Env"),
+                                        ("python_tool.py", "Env"), ("chat_openai.py", "ChatAgent"),
+                                        ("chat_anthropic.py", "ChatAgent")])
+def test_each_example_defines_one_agent_with_prompts(file, kind):
+    cls, module = load(file)
+    assert cls.__mro__[1].__name__ == kind
+    assert module.__doc__ and "python main.py --agent examples/agents/" + file in module.__doc__
+    row = next(cls.prompts(0))
+    assert "prompt" in row and "label" in row
+
+
+def test_max_digit(tiny_tokenizer):
+    cls, _ = load("max_digit.py")
+    traj, _ = run_env(cls, {"prompt": "3?7=", "label": "7"}, tiny_tokenizer, ["7"], max_len=32)
+    assert traj.reward == 1.0
+
+
+def test_arithmetic_is_graded_by_reasoning_gym():
+    cls, module = load("arithmetic.py")
+    rows = cls.prompts(0)
+    for row in [next(rows) for _ in range(3)]:
+        answer = row["label"]["answer"]
+        assert row["prompt"][1]["content"] == row["label"]["question"]
+        assert module.grade(f"Thinking... <answer>{answer}</answer>", row["label"]) == 1.0
+        assert module.grade(f"<answer>{int(answer) + 1}</answer>", row["label"]) == 0.0
+        assert module.grade(answer, row["label"]) == 0.0  # no <answer> tags, no reward
+
+
+def test_arithmetic_env_runs():
+    tok = smol_tokenizer()
+    cls, _ = load("arithmetic.py")
+    row = next(cls.prompts(0))
+    traj, engine = run_env(cls, row, tok, [f"<answer>{row['label']['answer']}</answer>"])
+    assert traj.reward == 1.0 and traj.info["turns"] == 1
+    assert row["label"]["question"] in tok.decode(engine.prompts[0])
+
+
+def test_sandbox_runs_code_within_limits():
+    _, module = load("python_tool.py")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    snippets = [
+        "print(sum(range(10)))",
+        f"import urllib.request\nprint('RE' 'ACHED', urllib.request.urlopen('http://127.0.0.1:{port}', timeout=2).read())",
+        "import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=2)\nprint('CON' 'NECTED')",
+        "while True:\n    pass",
+        "x = bytearray(2 * 1024**3)\nprint('ALLO' 'CATED')",
+        "import os\nprint(sorted(k for k in os.environ if 'PROXY' in k.upper()))",
+    ]
+
+    async def run_all():
+        return await asyncio.gather(*[module.run_python(code, timeout=2.0) for code in snippets])
+    try:
+        ok, local, remote, forever, memory, env = asyncio.run(run_all())
+    finally:
+        listener.close()
+    assert ok == "45\n"
+    assert "REACHED" not in local and "Error" in local
+    assert "CONNECTED" not in remote and "Error" in remote
+    assert forever.endswith("[killed: exceeded the 2 s time limit]")
+    assert "MemoryError" in memory and "ALLOCATED" not in memory
+    assert env == "[]\n"
+
+
+def test_python_tool_env_runs_code_then_answers():
+    tok = smol_tokenizer()
+    cls, module = load("python_tool.py")
+    row = next(cls.prompts(0))
+    assert module.extract_code('<tool_call>{"name": "python", "arguments": {"code": "print(1)"}}</tool_call>') == "print(1)"
+    replies = ["Let me compute.\n```python\nprint(6 * 7)\n```", f"<answer>{row['label']}</answer>"]
+    traj, engine = run_env(cls, row, tok, replies)
+    assert traj.reward == 1.0
+    assert traj.info["turns"] == 2 and traj.info["code_runs"] == 1
+    # The snippet's output came back as the next (unmasked) observation.
+    observation = [t for t, m in zip(traj.tokens[len(engine.prompts[0]):], traj.mask[len(engine.prompts[0]):]) if not m]
+    assert "Output:\n42\n" in tok.decode(observation)
+    # A reply with neither code nor an answer ends the episode without reward.
+    traj, _ = run_env(cls, row, tok, ["I do not know."])
+    assert traj.reward == 0.0 and traj.info["turns"] == 1

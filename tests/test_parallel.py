@@ -1,0 +1,231 @@
+"""Every trainer layout gives the single-process update: dp, tp, cp, ep, dp x tp, packing,
+activation checkpointing, optimizer offload, token-budget micro-batches (CPU, gloo).
+
+One process group per world size (2 and 4, spawned with torch.multiprocessing) runs
+all its cases; each case trains 2 optimizer steps (--mini_batches 2) on 7 trajectories
+of unequal length (so ranks get unequal rows and empty micro-batches are padded) and
+is compared with a plain single-process Trainer in this process: the same policy loss
+and the same updated weights within fp32 tolerance TOL (summation order differs).
+Also: routing replay, --freeze_router, DCP checkpoints and invalid layouts.
+
+    python -m pytest -q tests/test_parallel.py
+"""
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_engine import trainer_cfg
+
+TOL = 2e-5      # fp32: max |difference| of losses and of every updated weight
+
+
+def _trajectories(n=7):
+    trajs = []
+    for i in range(n):
+        prompt = [2, 8 + i % 5, 15, 12, 16, 0, 3][: 4 + i % 4]
+        reply = [5 + (i * 3) % 10, 6 + i % 3, 9, 11, 7][: 1 + (i * 2) % 5]
+        trajs.append({"tokens": prompt + reply, "mask": [0] * len(prompt) + [1] * len(reply),
+                      "logprobs": [0.0] * len(prompt) + [-2.5] * len(reply),
+                      "versions": [-1] * len(prompt) + [0] * len(reply),
+                      "reward": float(i % 3 == 0), "group": i // 4, "rollout_id": i})
+    return trajs
+
+
+BASE = {"lr": 1e-3, "mini_batches": 2, "micro_batch_size": 2, "samples_per_prompt": 4}
+
+
+def _cfg(model, **overrides):
+    return trainer_cfg(model, **{**BASE, **overrides})
+
+
+@pytest.fixture(scope="session")
+def tiny_moe(tiny_model, tmp_path_factory) -> str:
+    """A tiny Qwen3-MoE (4 experts, top-2) with the tiny model's tokenizer."""
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    out = tmp_path_factory.mktemp("models") / "tiny-moe"
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    config = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                            max_position_embeddings=256, tie_word_embeddings=True,
+                            eos_token_id=0, pad_token_id=0, bos_token_id=None)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config)
+    for gate in (b.mlp.gate for b in model.model.layers):
+        torch.nn.init.normal_(gate.weight, std=0.5)  # zeros would tie every expert choice
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+def _run_case(cfg, trajs, rank=0, world=1, port=0):
+    import trainer
+    t = trainer.Trainer(cfg, rank, world, "127.0.0.1", port)
+    metrics = t.train_step(trajs)
+    sd = t.full_state_dict()
+    return t, metrics, sd
+
+
+def _worker(rank, world, port, cases, trajs, out_dir):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(1)
+    import trainer
+    for name, cfg in cases:
+        t, metrics, sd = _run_case(cfg, trajs, rank, world, port)
+        result = {"metrics": metrics, "state": sd, "names": t.weight_names()}
+        if name.endswith("+ckpt"):  # save, reload into a fresh trainer, one more step on both
+            ckpt = str(Path(out_dir) / "ckpt")
+            t.save_checkpoint(ckpt)
+            t2 = trainer.Trainer(cfg, rank, world, "127.0.0.1", port)
+            result["loaded_version"] = t2.load_checkpoint(ckpt)
+            t.train_step(trajs), t2.train_step(trajs)
+            result["after"], result["after_loaded"] = t.full_state_dict(), t2.full_state_dict()
+        if rank == 0:
+            torch.save(result, Path(out_dir) / f"{name}.pt")
+        del t
+    torch.distributed.destroy_process_group()
+
+
+def _spawn(world, cases, trajs, out_dir):
+    import torch.multiprocessing as mp
+    import parallel
+    mp.spawn(_worker, args=(world, parallel.free_port(), cases, trajs, str(out_dir)), nprocs=world, join=True)
+
+
+def _compare(result, ref_metrics, ref_state, what):
+    assert abs(result["metrics"]["policy_loss"] - ref_metrics["policy_loss"]) < TOL, what
+    assert result["metrics"]["action_tokens"] == ref_metrics["action_tokens"], what
+    assert result["state"].keys() == ref_state.keys(), what
+    worst = max((result["state"][k] - ref_state[k]).abs().max().item() for k in ref_state)
+    assert worst < TOL, f"{what}: weights differ by {worst}"
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model, tiny_moe):
+    """Single-process results: (metrics, updated state) per model, and the initial state."""
+    trajs = _trajectories()
+    out = {}
+    for key, model in (("dense", tiny_model), ("moe", tiny_moe)):
+        t, metrics, sd = _run_case(_cfg(model), trajs)
+        out[key] = (metrics, sd)
+        import trainer
+        out[key + "0"] = trainer.Trainer(_cfg(model)).full_state_dict()
+    return out
+
+
+def test_layouts_world2(tiny_model, tiny_moe, references, tmp_path):
+    """dp2, tp2, cp2, packing, activation checkpointing + offload, token budgets, MoE dp2/ep2/tp2
+    and routing replay under ep2: all equal one process. Plus a dp2 DCP checkpoint round trip."""
+    d, m = tiny_model, tiny_moe
+    cases = [
+        ("dense-dp2+ckpt", _cfg(d, train_workers=2)),
+        ("dense-dp2-mb1", _cfg(d, train_workers=2, micro_batch_size=1)),   # unequal micro-batch counts
+        ("dense-tp2", _cfg(d, train_workers=2, tp_size=2)),
+        ("dense-cp2", _cfg(d, train_workers=2, cp_size=2)),
+        ("dense-dp2-packing-tokens", _cfg(d, train_workers=2, packing=True, micro_batch_tokens=20)),
+        ("dense-dp2-ac-offload", _cfg(d, train_workers=2, activation_checkpointing=True, offload="optimizer")),
+        ("moe-dp2", _cfg(m, train_workers=2)),
+        ("moe-ep2", _cfg(m, train_workers=2, ep_size=2)),
+        ("moe-tp2", _cfg(m, train_workers=2, tp_size=2)),
+    ]
+    _spawn(2, cases, _trajectories(), tmp_path)
+    for name, cfg in cases:
+        r = torch.load(tmp_path / f"{name}.pt", weights_only=False)
+        ref_metrics, ref_state = references["moe" if name.startswith("moe") else "dense"]
+        _compare(r, ref_metrics, ref_state, name)
+        if name.startswith("moe"):  # the blob carries per-expert checkpoint names vLLM loads
+            assert "model.layers.0.mlp.experts.3.down_proj.weight" in r["names"]
+            assert not any(n.endswith("gate_up_proj") for n in r["names"])
+        if name.endswith("+ckpt"):
+            assert r["loaded_version"] == 1
+            worst = max((r["after"][k] - r["after_loaded"][k]).abs().max().item() for k in r["after"])
+            assert worst == 0.0, "model + optimizer reloaded from the checkpoint train identically"
+
+
+def test_layouts_world4(tiny_model, tiny_moe, references, tmp_path):
+    """dp2 x tp2 (dense) and ep2 with expert FSDP over 2 ranks (MoE, efsdp2 x ep2) on 4 ranks."""
+    cases = [("dense-dp2xtp2", _cfg(tiny_model, train_workers=4, tp_size=2)),
+             ("moe-ep2-dp4", _cfg(tiny_moe, train_workers=4, ep_size=2))]
+    _spawn(4, cases, _trajectories(), tmp_path)
+    for name, cfg in cases:
+        r = torch.load(tmp_path / f"{name}.pt", weights_only=False)
+        _compare(r, *references["moe" if name.startswith("moe") else "dense"], name)
+
+
+def test_single_process_modes_match(tiny_model, references):
+    """Packing (one row, reset positions, block-diagonal mask) and token-budget micro-batches
+    equal the padded path in one process too."""
+    import trainer
+    for extra in ({"packing": True}, {"micro_batch_tokens": 16}, {"packing": True, "micro_batch_tokens": 9}):
+        _, metrics, sd = _run_case(_cfg(tiny_model, **extra), _trajectories())
+        _compare({"metrics": metrics, "state": sd}, *references["dense"], str(extra))
+
+
+def _record(model_dir, trajs):
+    """Expert selections of a plain transformers forward, recorded through the router hooks."""
+    import parallel
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    parallel.install_routing_hooks(model)
+    out = []
+    for t in trajs:
+        rec = []
+        with torch.no_grad(), parallel.routing(model, record=rec):
+            model(input_ids=torch.tensor([t["tokens"]]))
+        out.append(rec[0].tolist())  # [len(tokens), layers, k]
+    return model, out
+
+
+def test_routing_replay_and_frozen_router(tiny_moe, references):
+    import parallel
+    trajs = _trajectories()
+    model, routing = _record(tiny_moe, trajs)
+    ids = torch.tensor([trajs[0]["tokens"]])
+    recorded = torch.tensor(routing[0])                                   # [n, layers, k]
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        rec = []
+        with parallel.routing(model, replay=recorded, record=rec):
+            same = model(input_ids=ids).logits
+        with parallel.routing(model, replay=(recorded + 1) % 4):        # other experts
+            other = model(input_ids=ids).logits
+    assert torch.equal(rec[0], recorded), "replay reproduces the recorded selection exactly"
+    assert torch.equal(same, plain)
+    assert (other - plain).abs().max() > 1e-3, "different selections change the logits"
+
+    # Through the trainer (one optimizer step: the recorded selection is the policy's own
+    # only before the first update): replay equals the plain step, and the router still
+    # gets a gradient (it moves) unless frozen.
+    with_routing = [{**t, "routing": r} for t, r in zip(trajs, routing)]
+    _, metrics, sd = _run_case(_cfg(tiny_moe, routing_replay=True, mini_batches=1), with_routing)
+    _compare({"metrics": metrics, "state": sd}, *_run_case(_cfg(tiny_moe, mini_batches=1), trajs)[1:], "replay")
+    gate = "model.layers.0.mlp.gate.weight"
+    assert (sd[gate] - references["moe0"][gate]).abs().max() > 0
+    t, _, sd = _run_case(_cfg(tiny_moe, freeze_router=True), trajs)
+    assert torch.equal(sd[gate], references["moe0"][gate])
+    assert gate not in t.weight_names()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--train_workers", "3", "--tp_size", "2"], "not divisible by --tp_size 2"),
+    (["--train_workers", "2", "--tp_size", "4"], "not divisible"),
+    (["--train_workers", "4", "--tp_size", "4"], "must divide the attention heads (2)"),
+    (["--train_workers", "2", "--ep_size", "2"], "needs a mixture-of-experts model"),
+    (["--train_workers", "2", "--cp_size", "2", "--packing"], "--packing with --cp_size"),
+    (["--train_workers", "2", "--cp_size", "2", "--max_len", "255"], "divisible by --cp_size 2"),
+    (["--train_workers", "4", "--tp_size", "2", "--ep_size", "2"], "not supported"),
+    (["--routing_replay"], "mixture-of-experts models only"),
+    (["--train_workers", "3", "--ep_size", "2", "MOE"], "must divide the data/context ranks"),
+    (["--train_workers", "6", "--ep_size", "3", "MOE"], "must divide the number of experts (4)"),
+])
+def test_invalid_layouts_fail_at_startup(tiny_model, tiny_moe, flags, message):
+    import main
+    model = tiny_moe if "MOE" in flags else tiny_model
+    args = ["--model", model] + [f for f in flags if f != "MOE"]
+    with pytest.raises(ValueError) as e:
+        main.validate(vars(main.build_parser().parse_args(args)))
+    assert message in str(e.value)
