@@ -1,4 +1,4 @@
-"""The rollout engine: vLLM, token ids in, token ids + sampling logprobs out.
+"""The rollout engines: vLLM, token ids in, token ids + sampling logprobs out.
 
 `Generator` wraps one `vllm.v1.engine.async_llm.AsyncLLM`. It runs as a Ray
 actor (loop.py wraps it with `ray.remote`), serves many concurrent requests,
@@ -16,6 +16,10 @@ Weights travel as one safetensors blob through Ray (works on CPU and across
 nodes); `WeightReceiver` is the vLLM worker extension that decodes the blob
 inside the engine's worker and reloads the weights in place. A GPU NCCL
 broadcast would replace the blob with a collective but keep this interface.
+
+`Engines` is what the loop and the agents talk to: several `Generator` actors
+behind one client, sticky sessions (a rollout's turns go to one engine, so its
+prefix cache is reused), least-loaded routing, one weight update for all.
 
 Run the engine alone:  python -c "import generator; generator.smoke('MODEL_DIR')"
 """
@@ -180,6 +184,84 @@ class Generator:
             # vLLM's __del__ shuts down a second time; at interpreter exit that fails
             # noisily because module globals are gone. Once is enough.
             self.engine.shutdown = lambda *args, **kwargs: None
+
+
+class Engines:
+    """The vLLM engine actors behind one client. A rollout gets a sticky `session()`:
+    all its turns go to one engine, so its prefix cache is reused; new sessions go
+    to the engine with the fewest tokens in flight. Weight updates reach all."""
+
+    def __init__(self, actors: list, check_weight_sync: bool = False):
+        self.actors, self.check = actors, check_weight_sync
+        self.load = [0] * len(actors)  # prompt + max new tokens of requests in flight
+
+    def session(self):
+        chosen: list[int] = []
+
+        async def generate(prompt_ids: list[int], sampling: dict) -> dict:
+            if not chosen:
+                chosen.append(self.load.index(min(self.load)))
+            i, cost = chosen[0], len(prompt_ids) + sampling.get("max_tokens", 0)
+            self.load[i] += cost
+            ref = self.actors[i].generate.remote(prompt_ids, sampling)
+            try:
+                return await ref
+            except asyncio.CancelledError:  # a rollout timed out or was cancelled:
+                import ray                  # stop the request (vLLM aborts a cancelled generate)
+                ray.cancel(ref)
+                raise
+            finally:
+                self.load[i] -= cost
+        return generate
+
+    async def __call__(self, prompt_ids: list[int], sampling: dict) -> dict:
+        return await self.session()(prompt_ids, sampling)
+
+    async def version(self) -> int:
+        return await self.actors[0].get_version.remote()
+
+    async def update_weights(self, blob, version: int) -> float:
+        """Load `blob` (a Ray ref: fetched once per node) into every engine; returns seconds."""
+        results = await asyncio.gather(*[a.update_weights.remote(blob, version) for a in self.actors])
+        missing = sorted({n for r in results for n in r["missing"]})
+        if missing and self.check:
+            raise RuntimeError(f"--check_weight_sync: the weight update did not cover {len(missing)} engine "
+                               f"parameters: {', '.join(missing[:20])}")
+        return max(r["seconds"] for r in results)
+
+    async def busy_seconds(self) -> float:
+        busy = await asyncio.gather(*[a.take_busy_seconds.remote() for a in self.actors])
+        return sum(busy) / len(busy)
+
+    def shutdown(self):
+        import ray
+        ray.get([a.shutdown.remote() for a in self.actors])
+
+    @staticmethod
+    def is_engine_error(e: Exception) -> bool:
+        import ray
+        return isinstance(e, ray.exceptions.RayError)
+
+
+def start_engines(cfg: dict) -> Engines:
+    """--num_engines Generator actors. On CPU each gets its own share of the cores
+    (vLLM binds every engine's OpenMP threads to core 0 by default)."""
+    import ray
+    n, gpus = cfg["num_engines"], ray.cluster_resources().get("GPU", 0)
+    per_engine = cfg["engine_tp_size"] * cfg["engine_dp_size"]
+    cores = max(1, (os.cpu_count() or 1) // n)
+    actors = []
+    for i in range(n):
+        env = {} if gpus or n == 1 else {"VLLM_CPU_OMP_THREADS_BIND": f"{i * cores}-{(i + 1) * cores - 1}"}
+        actors.append(ray.remote(Generator).options(
+            num_cpus=0, num_gpus=per_engine if gpus else 0, max_concurrency=10_000,
+            runtime_env={"env_vars": env}).remote(
+            cfg["model"], dtype=cfg["engine_dtype"] or cfg["param_dtype"], max_len=cfg["max_len"],
+            seed=cfg["seed"] + i, gpu_memory_utilization=cfg["gpu_memory_utilization"],
+            partial_rollout=cfg["partial_rollout"], prefix_caching=cfg["prefix_caching"],
+            tp_size=cfg["engine_tp_size"], dp_size=cfg["engine_dp_size"], expert_parallel=cfg["engine_ep"],
+            spec_decode=cfg["spec_decode"], spec_tokens=cfg["spec_tokens"]))
+    return Engines(actors, cfg["check_weight_sync"])
 
 
 def speculative_config(method: str | None, tokens: int) -> dict | None:

@@ -34,7 +34,7 @@ from pathlib import Path
 import agent as agents
 import data
 import logs
-from generator import Generator
+from generator import Engines, start_engines
 from trainer import TrainerGroup
 
 log = logging.getLogger("molt")
@@ -129,79 +129,6 @@ async def run_agent(cfg: dict, agent_cls: type, row: dict, generate, tokenizer, 
                              max_len=cfg["max_len"], max_turns=cfg["max_turns"])
     result = await asyncio.wait_for(run, timeout=cfg["agent_timeout"])
     return result if isinstance(result, list) else [result]
-
-
-class Engines:
-    """The vLLM engine actors behind one client. A rollout gets a sticky `session()`:
-    all its turns go to one engine, so its prefix cache is reused; new sessions go
-    to the engine with the fewest tokens in flight. Weight updates reach all."""
-
-    def __init__(self, actors: list, check_weight_sync: bool = False):
-        self.actors, self.check = actors, check_weight_sync
-        self.load = [0] * len(actors)  # prompt + max new tokens of requests in flight
-
-    def session(self):
-        chosen: list[int] = []
-
-        async def generate(prompt_ids: list[int], sampling: dict) -> dict:
-            if not chosen:
-                chosen.append(self.load.index(min(self.load)))
-            i, cost = chosen[0], len(prompt_ids) + sampling.get("max_tokens", 0)
-            self.load[i] += cost
-            try:
-                return await self.actors[i].generate.remote(prompt_ids, sampling)
-            finally:
-                self.load[i] -= cost
-        return generate
-
-    async def __call__(self, prompt_ids: list[int], sampling: dict) -> dict:
-        return await self.session()(prompt_ids, sampling)
-
-    async def version(self) -> int:
-        return await self.actors[0].get_version.remote()
-
-    async def update_weights(self, blob, version: int) -> float:
-        """Load `blob` (a Ray ref: fetched once per node) into every engine; returns seconds."""
-        results = await asyncio.gather(*[a.update_weights.remote(blob, version) for a in self.actors])
-        missing = sorted({n for r in results for n in r["missing"]})
-        if missing and self.check:
-            raise RuntimeError(f"--check_weight_sync: the weight update did not cover {len(missing)} engine "
-                               f"parameters: {', '.join(missing[:20])}")
-        return max(r["seconds"] for r in results)
-
-    async def busy_seconds(self) -> float:
-        busy = await asyncio.gather(*[a.take_busy_seconds.remote() for a in self.actors])
-        return sum(busy) / len(busy)
-
-    def shutdown(self):
-        import ray
-        ray.get([a.shutdown.remote() for a in self.actors])
-
-    @staticmethod
-    def is_engine_error(e: Exception) -> bool:
-        import ray
-        return isinstance(e, ray.exceptions.RayError)
-
-
-def start_engines(cfg: dict) -> Engines:
-    """--num_engines Generator actors. On CPU each gets its own share of the cores
-    (vLLM binds every engine's OpenMP threads to core 0 by default)."""
-    import ray
-    n, gpus = cfg["num_engines"], ray.cluster_resources().get("GPU", 0)
-    per_engine = cfg["engine_tp_size"] * cfg["engine_dp_size"]
-    cores = max(1, (os.cpu_count() or 1) // n)
-    actors = []
-    for i in range(n):
-        env = {} if gpus or n == 1 else {"VLLM_CPU_OMP_THREADS_BIND": f"{i * cores}-{(i + 1) * cores - 1}"}
-        actors.append(ray.remote(Generator).options(
-            num_cpus=0, num_gpus=per_engine if gpus else 0, max_concurrency=10_000,
-            runtime_env={"env_vars": env}).remote(
-            cfg["model"], dtype=cfg["engine_dtype"] or cfg["param_dtype"], max_len=cfg["max_len"],
-            seed=cfg["seed"] + i, gpu_memory_utilization=cfg["gpu_memory_utilization"],
-            partial_rollout=cfg["partial_rollout"], prefix_caching=cfg["prefix_caching"],
-            tp_size=cfg["engine_tp_size"], dp_size=cfg["engine_dp_size"], expert_parallel=cfg["engine_ep"],
-            spec_decode=cfg["spec_decode"], spec_tokens=cfg["spec_tokens"]))
-    return Engines(actors, cfg["check_weight_sync"])
 
 
 def batch_metrics(trajs: list[dict]) -> dict:
@@ -409,7 +336,7 @@ def run(cfg: dict) -> dict:
     try:
         engines = None if cfg["replay_rollouts"] else start_engines(cfg)
         trainer = TrainerGroup(cfg)
-        ray.get([*trainer.ready()] + ([a.get_version.remote() for a in engines.actors] if engines else []))
+        wait_ready(cfg, [*trainer.ready()] + ([a.get_version.remote() for a in engines.actors] if engines else []))
         if resume_from is not None:
             start = json.loads((resume_from / "loop.json").read_text())
             ray.get(trainer.call("load_checkpoint", str(resume_from / "trainer")))
@@ -431,7 +358,7 @@ def run(cfg: dict) -> dict:
             metrics_file.log(m)
             bar.update(1)
             bar.set_postfix(reward=f"{m['reward_mean']:.3f}", s_per_step=f"{m['step_s']:.2f}",
-                            mismatch=f"{m.get('mismatch_k3', 0.0):.1e}")
+                            tok_per_s=f"{m['tokens_per_s']:.0f}", mismatch=f"{m.get('mismatch_k3', 0.0):.1e}")
 
         history = asyncio.run(train(cfg, engines, trainer, agent_cls, tokenizer, on_step, start))
         bar.close()
@@ -453,6 +380,18 @@ def keep_metrics(path: Path, last_step: int):
     if path.is_file():
         lines = [l for l in path.read_text().splitlines() if l and json.loads(l)["step"] <= last_step]
         path.write_text("".join(l + "\n" for l in lines))
+
+
+def wait_ready(cfg: dict, refs: list):
+    """Wait for the actors' start-up (engines: ~15 s each on CPU) behind a progress bar."""
+    import ray
+    from tqdm import tqdm
+    with tqdm(total=len(refs), desc="starting trainer ranks and engines", unit="actor",
+              disable=cfg["quiet"] or not sys.stderr.isatty()) as bar:
+        while refs:
+            ready, refs = ray.wait(refs, num_returns=1)
+            ray.get(ready)  # raises the actor's start-up error, if any
+            bar.update(1)
 
 
 def progress(cfg: dict, done: int = 0):

@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default="tiny", help="local HF model folder, a .gguf file or 'smollm2' (converted once to a "
                    "safetensors folder under $MOLT_CACHE), or 'tiny' to build (once) a random-init "
                    "tiny Qwen3 with a character tokenizer under $MOLT_CACHE")
-    g.add_argument("--agent", default=DEFAULT_AGENT, help="Python file defining exactly one Env subclass")
+    g.add_argument("--agent", default=DEFAULT_AGENT, help="Python file defining exactly one Env or ChatAgent subclass")
     g.add_argument("--dataset", default=None, help="prompts: a .jsonl/.json/.parquet/.csv file, a HF datasets folder "
                    "(save_to_disk) or reasoning-gym:TASK[:key=value,...] (default: the agent's built-in prompts)")
     g.add_argument("--input_key", default="prompt", help="dataset field holding the prompt (text or chat messages)")
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--samples_per_prompt", type=int, default=16, help="rollouts per prompt (the group size)")
     g.add_argument("--max_new_tokens", type=int, default=3, help="max sampled tokens per turn")
     g.add_argument("--max_len", type=int, default=256, help="max tokens of a whole trajectory (prompt + all turns)")
-    g.add_argument("--max_turns", type=int, default=None, help="turn limit of an Env episode (default: the Env's max_turns)")
+    g.add_argument("--max_turns", type=int, default=None, help="turn limit of an Env episode (default: the Env's max_turns; a ChatAgent runs its own loop)")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (trainer logprobs use the same)")
     g.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling (1.0 = off; <1 makes logprobs biased)")
     g.add_argument("--agent_timeout", type=float, default=300.0, help="seconds before a rollout is dropped")

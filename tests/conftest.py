@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny random-init model built once per session, offline."""
 
+import asyncio
 import os
 import sys
 from pathlib import Path
@@ -24,3 +25,11 @@ def tiny_model(tmp_path_factory) -> str:
 def tiny_tokenizer(tiny_model):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """One event loop per test module: vLLM's async engine binds to the loop it first runs on."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()

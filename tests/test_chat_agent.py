@@ -24,13 +24,6 @@ SAMPLING = {"temperature": 1.0, "max_tokens": 4}
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def engine(tiny_model, loop):
     from generator import Generator
 

@@ -15,13 +15,6 @@ TEMPERATURE = 0.7
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def engine(tiny_model, loop):
     gen = loop.run_until_complete(_make(tiny_model))
     yield gen
@@ -184,3 +177,20 @@ def test_ngram_speculative_decoding_is_lossless(tiny_model, tiny_tokenizer, loop
         assert torch.allclose(torch.tensor(spec_out["logprobs"]), torch.tensor(plain_out["logprobs"]), atol=1e-4)
     finally:
         spec.shutdown()
+
+
+def test_cancelled_request_is_aborted_in_the_engine(engine, loop, tiny_tokenizer):
+    """A rollout that times out must not leave its request generating."""
+    prompt = tiny_tokenizer.apply_chat_template([{"role": "user", "content": "1?2="}],
+                                                add_generation_prompt=True, tokenize=True)["input_ids"]
+
+    async def scenario():
+        task = asyncio.create_task(engine.generate(prompt, {"temperature": 1.0, "max_tokens": 400, "ignore_eos": True}))
+        await asyncio.sleep(0.2)
+        assert engine.engine.get_num_unfinished_requests() == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.2)
+        return engine.engine.get_num_unfinished_requests()
+    assert loop.run_until_complete(scenario()) == 0

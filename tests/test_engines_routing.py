@@ -1,8 +1,8 @@
-"""loop.Engines: sticky sessions and least-loaded routing (fake actors, no vLLM)."""
+"""generator.Engines: sticky sessions and least-loaded routing (fake actors, no vLLM)."""
 
 import asyncio
 
-from loop import Engines
+from generator import Engines
 
 
 class FakeMethod:

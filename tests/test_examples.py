@@ -11,6 +11,7 @@ import pytest
 
 import agent as agents
 from _smollm import smol_tokenizer
+from fakes import FakeEngine
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "agents"
 
@@ -22,19 +23,6 @@ def load(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return cls, module
-
-
-class FakeEngine:
-    """Samples fixed replies (text, then the end of the turn); keeps the prompts it got."""
-
-    def __init__(self, tokenizer, replies):
-        self.tok, self.replies, self.prompts = tokenizer, list(replies), []
-
-    async def __call__(self, ids, sampling):
-        self.prompts.append(list(ids))
-        reply = self.tok(self.replies.pop(0), add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
-        reply = reply[: sampling["max_tokens"]]
-        return {"token_ids": reply, "logprobs": [-0.5] * len(reply), "version": 0, "finish_reason": "stop"}
 
 
 def run_env(cls, row, tokenizer, replies, max_len=1024):

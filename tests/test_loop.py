@@ -43,7 +43,8 @@ def test_short_run_trains_logs_and_cleans_up(tiny_model, tmp_path):
     lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3]
     for m in lines:
-        assert m["rollouts"] > 0 and m["staleness"] == 0.0
+        assert m["rollouts"] > 0 and m["staleness"] == 0.0   # sync mode is exactly on-policy:
+        assert abs(m["is_weight_mean"] - 1.0) < 1e-4             # IS weights are 1
         assert m["mismatch_abs"] < 1e-4
         assert all(isinstance(v, (int, float)) and v == v for v in m.values())  # finite, no NaN
     assert sum(m.get("dropped/error", 0) for m in lines[-1:]) > 0   # crashed rollouts were counted
@@ -103,3 +104,14 @@ def test_async_partial_rollout_checkpoint_resume_and_replay(tiny_model, tmp_path
     summary = main.main(["--model", tiny_model, "--output_dir", str(tmp_path / "replay"), *SMALL,
                          "--steps", "2", "--replay_rollouts", str(dump), "--export_hf", "none"])
     assert summary["steps"] == 2
+
+
+@pytest.mark.parametrize("estimator", ["reinforce", "reinforce_pp", "reinforce_pp_baseline", "rloo", "grpo",
+                                       "dr_grpo", "gae", "on_policy_distill"])
+def test_each_estimator_runs_through_the_real_loop(tiny_model, tmp_path, estimator):
+    extra = ["--kl_coef", "0.5", "--ref_model", tiny_model] if estimator == "on_policy_distill" else []
+    summary = main.main(["--model", tiny_model, "--estimator", estimator, "--steps", "2", *SMALL, *extra,
+                         "--output_dir", str(tmp_path / "run"), "--export_hf", "none", "--no_plot"])
+    lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert summary["steps"] == 2 and len(lines) == 2
+    assert all(isinstance(v, (int, float)) and v == v and abs(v) != float("inf") for m in lines for v in m.values())
