@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gpu_memory_utilization", type=float, default=0.5, help="vLLM memory share on GPU")
 
     g = p.add_argument_group("loop")
-    g.add_argument("--steps", type=int, default=100, help="optimizer steps (policy versions)")
+    g.add_argument("--steps", type=int, default=120, help="optimizer steps (policy versions)")
     g.add_argument("--async_depth", type=int, default=0, help="how many policy versions rollouts may run ahead "
                    "of the trainer (0 = strictly on-policy)")
     g.add_argument("--rollout_in_flight", type=int, default=None, help="max prompt groups generating at once "
@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="IS weight band (trunc uses HIGH only)")
 
     g = p.add_argument_group("optimization")
-    g.add_argument("--lr", type=float, default=1e-3, help="learning rate (AdamW)")
+    g.add_argument("--lr", type=float, default=5e-4, help="learning rate (AdamW)")
     g.add_argument("--weight_decay", type=float, default=0.0)
     g.add_argument("--grad_clip", type=float, default=1.0, help="max global gradient norm")
     g.add_argument("--mini_batches", type=int, default=4, help="optimizer steps per rollout batch (PPO mini-batches)")
