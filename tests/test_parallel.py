@@ -42,26 +42,6 @@ def _cfg(model, **overrides):
     return trainer_cfg(model, **{**BASE, **overrides})
 
 
-@pytest.fixture(scope="session")
-def tiny_moe(tiny_model, tmp_path_factory) -> str:
-    """A tiny Qwen3-MoE (4 experts, top-2) with the tiny model's tokenizer."""
-    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
-    out = tmp_path_factory.mktemp("models") / "tiny-moe"
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    config = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-                            max_position_embeddings=256, tie_word_embeddings=True,
-                            eos_token_id=0, pad_token_id=0, bos_token_id=None)
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config)
-    for gate in (b.mlp.gate for b in model.model.layers):
-        torch.nn.init.normal_(gate.weight, std=0.5)  # zeros would tie every expert choice
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return str(out)
-
-
 def _run_case(cfg, trajs, rank=0, world=1, port=0):
     import trainer
     t = trainer.Trainer(cfg, rank, world, "127.0.0.1", port)
