@@ -20,12 +20,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+MAX_LEN = 1024  # the tiny model's max_position_embeddings
 
 
 def plain_vllm(model: str, prompts: list[list[int]], max_tokens: int) -> float:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0)
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=MAX_LEN, seed=0)
     params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, detokenize=False)
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:4]], params, use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
@@ -38,7 +39,7 @@ def plain_vllm(model: str, prompts: list[list[int]], max_tokens: int) -> float:
 
 async def ours(model: str, prompts: list[list[int]], max_tokens: int) -> float:
     from generator import Generator
-    gen = Generator(model, max_len=2048, seed=0)
+    gen = Generator(model, max_len=MAX_LEN, seed=0)
     params = {"temperature": 1.0, "max_tokens": max_tokens, "ignore_eos": True}
     await asyncio.gather(*[gen.generate(p, params) for p in prompts[:4]])  # warm-up
     t0 = time.perf_counter()
@@ -51,7 +52,7 @@ async def ours(model: str, prompts: list[list[int]], max_tokens: int) -> float:
 async def later_turn_prefill(model: str, prefix_caching: bool, session: list[int]) -> float:
     """Turn 1 over `session`, then turn 2 = turn 1's ids + a short observation: time turn 2."""
     from generator import Generator
-    gen = Generator(model, max_len=2048, seed=0, prefix_caching=prefix_caching)
+    gen = Generator(model, max_len=MAX_LEN, seed=0, prefix_caching=prefix_caching)
     one = {"temperature": 1.0, "max_tokens": 1}
     out = await gen.generate(session, one)
     turn2 = session + out["token_ids"] + session[:16]
@@ -71,7 +72,7 @@ async def sync_vs_step(model: str, prompts: list[list[int]]) -> tuple[float, flo
     from trainer import Trainer
     cfg = main.validate(vars(main.build_parser().parse_args(["--model", model, "--micro_batch_size", "16"])))
     trainer = Trainer(cfg)
-    gen = Generator(model, max_len=2048, seed=0)
+    gen = Generator(model, max_len=MAX_LEN, seed=0)
     outs = await asyncio.gather(*[gen.generate(p, {"temperature": 1.0, "max_tokens": 16}) for p in prompts])
     trajs = [{"tokens": p + o["token_ids"], "mask": [0] * len(p) + [1] * len(o["token_ids"]),
               "logprobs": [0.0] * len(p) + o["logprobs"], "versions": [-1] * len(p) + o["versions"],
@@ -112,7 +113,7 @@ if __name__ == "__main__":
         tok = AutoTokenizer.from_pretrained(path)
         vocab = min(len(tok), 1000)
         prompts = [[(7 * i + j) % (vocab - 10) + 5 for j in range(24 + i % 16)] for i in range(args.prompts)]
-        session = [(13 * j) % (vocab - 10) + 5 for j in range(1024)]
+        session = [(13 * j) % (vocab - 10) + 5 for j in range(768)]
         plain = plain_vllm(path, prompts, args.max_tokens)
         mine = asyncio.run(ours(path, prompts, args.max_tokens))
         tokens = args.prompts * args.max_tokens
