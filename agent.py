@@ -79,6 +79,7 @@ class Result:
     info: dict = field(default_factory=dict)   # scalar diagnostics, logged as means
     score: float | None = None       # for dashboards/filtering; defaults to reward
     sampling_params: dict | None = None        # override for the next turn
+    images: list | None = None       # shown with the observation next turn (Env; VLMs): paths, data URIs, PIL
 
 
 @dataclass
@@ -125,6 +126,7 @@ class Trajectory:
     rollout_id: int = 0              # segments of one rollout share it
     score: float = 0.0
     info: dict = field(default_factory=dict)
+    images: list[str] = field(default_factory=list)  # PNG data URIs, in the order of their pads in tokens
 
     def add(self, ids: list[int], sampled: bool, logprobs: list[float] | None = None,
             version: int | list[int] = -1):
@@ -141,7 +143,53 @@ class Trajectory:
         return sum(self.mask)
 
 
-Generate = Callable[[list[int], dict], Awaitable[dict]]
+Generate = Callable[..., Awaitable[dict]]   # (prompt_ids, sampling[, images]) -> dict (generator.py)
+
+
+async def _sample(generate: Generate, tokens: list[int], images: list[str], sampling: dict,
+                  image_tokens) -> dict:
+    """One completion of `tokens`. With images the engine gets one pad per image and the
+    images (vision.py's convention) and must expand them into exactly `tokens`."""
+    if not images:
+        return await generate(tokens, sampling)
+    out = await generate(image_tokens.engine_ids(tokens), sampling, images)
+    if out["prompt_ids"] != tokens:
+        raise ValueError("the engine expanded the image tokens differently from the image processor "
+                         f"({len(out['prompt_ids'])} ids, expected {len(tokens)}): check the model's "
+                         "preprocessor_config.json")
+    return out
+
+
+def _image_parts(content: Any) -> int:
+    return sum(1 for p in content if isinstance(p, dict) and p.get("type") in ("image", "image_url")) \
+        if isinstance(content, list) else 0
+
+
+def with_images(messages: list[dict], images: list) -> list[dict]:
+    """Messages whose image parts show `images`: a text `<image>` marks where one goes; with
+    no image part or marker at all, the images go first in the first user message."""
+    if not images:
+        return messages
+    out = []
+    for m in messages:
+        if isinstance(m["content"], str) and "<image>" in m["content"]:
+            texts = m["content"].split("<image>")
+            parts = [{"type": "text", "text": texts[0]}] if texts[0] else []
+            for t in texts[1:]:
+                parts += [{"type": "image"}] + ([{"type": "text", "text": t}] if t else [])
+            m = {**m, "content": parts}
+        out.append(m)
+    if not any(_image_parts(m["content"]) for m in out):
+        i = next((i for i, m in enumerate(out) if m["role"] == "user"), None)
+        if i is None:
+            raise ValueError("a row with images needs a user message to show them in")
+        text = out[i]["content"]
+        text = [{"type": "text", "text": text}] if isinstance(text, str) else list(text)
+        out[i] = {**out[i], "content": [{"type": "image"}] * len(images) + text}
+    shown = sum(_image_parts(m["content"]) for m in out)
+    if shown != len(images):
+        raise ValueError(f"the prompt has {shown} image places (<image> or image parts) for {len(images)} images")
+    return out
 
 
 def _render(tokenizer, messages: list[dict], add_generation_prompt: bool,
@@ -203,18 +251,24 @@ def delta_ids(tokenizer, messages: list[dict], reply_ids: list[int], new: list[d
 
 
 def observation_ids(tokenizer, messages: list[dict], reply_ids: list[int],
-                    observation: str, role: str = "user") -> list[int]:
-    """Token ids that follow the sampled reply when `observation` comes next."""
+                    observation: str | list, role: str = "user") -> list[int]:
+    """Token ids that follow the sampled reply when `observation` (text, or content parts
+    with images) comes next."""
     return delta_ids(tokenizer, messages, reply_ids, [{"role": role, "content": observation}])
 
 
 async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
-                  sampling: dict, max_len: int, max_turns: int | None = None) -> Trajectory:
-    """Run one episode of `env` on `row`; returns its token-exact trajectory."""
-    messages = _messages(row["prompt"])
+                  sampling: dict, max_len: int, max_turns: int | None = None,
+                  image_tokens=None) -> Trajectory:
+    """Run one episode of `env` on `row`; returns its token-exact trajectory. For a
+    vision-language model `image_tokens` (vision.ImageTokens) places the row's images
+    (row["images"]) and the observations' (Result.images)."""
+    images = image_tokens.uris(row.get("images")) if image_tokens else _no_images(row.get("images"))
+    messages = with_images(_messages(row["prompt"]), images)
     await env.reset(row)
-    traj = Trajectory(tokens=[], mask=[], logprobs=[], versions=[], reward=0.0)
-    traj.add(_encode(tokenizer, _render(tokenizer, messages, add_generation_prompt=True)), False)
+    traj = Trajectory(tokens=[], mask=[], logprobs=[], versions=[], reward=0.0, images=images)
+    prompt = _encode(tokenizer, _render(tokenizer, messages, add_generation_prompt=True))
+    traj.add(image_tokens.expand(prompt, images) if images else prompt, False)
     turns = max_turns or env.max_turns
     params = dict(sampling)
     observation, scores, info = None, [], {}
@@ -223,7 +277,8 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
         if budget <= 0:
             traj.info["truncated"] = 1.0
             break
-        out = await generate(traj.tokens, {**params, "max_tokens": min(params["max_tokens"], budget)})
+        out = await _sample(generate, traj.tokens, traj.images,
+                            {**params, "max_tokens": min(params["max_tokens"], budget)}, image_tokens)
         traj.add(out["token_ids"], True, out["logprobs"], out.get("versions", out["version"]))
         action = decode_reply(tokenizer, out["token_ids"])
         messages.append({"role": "assistant", "content": action})
@@ -240,17 +295,29 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
         if result.terminated or result.truncated or turn == turns - 1:
             break
         observation = result.observation or ""
-        obs_ids = observation_ids(tokenizer, messages, out["token_ids"], observation)
-        if len(traj.tokens) + len(obs_ids) >= max_len:
+        new_images = image_tokens.uris(result.images) if image_tokens else _no_images(result.images)
+        content = with_images([{"role": "user", "content": observation}], new_images)[0]["content"]
+        obs_ids = observation_ids(tokenizer, messages, out["token_ids"], content)
+        if new_images:
+            obs_ids = image_tokens.expand(obs_ids, new_images)
+        if len(traj.tokens) + len(obs_ids) >= max_len:  # whole observations only: never half an image
             traj.info["truncated"] = 1.0
             break
         traj.add(obs_ids, False)
-        messages.append({"role": "user", "content": observation})
+        traj.images += new_images
+        messages.append({"role": "user", "content": content})
         params = {**params, **(result.sampling_params or {})}
     traj.score = sum(scores)
     traj.info.update({k: float(v) for k, v in info.items()})
     traj.info["turns"] = float(len(scores))
     return traj
+
+
+def _no_images(images: Any) -> list:
+    if images:
+        raise ValueError("this rollout has images but the model has no vision tower: use a vision-language "
+                         "model (e.g. Qwen2.5-VL) or drop the images")
+    return []
 
 
 # ---------------------------------------------------------------- ChatAgent: the user owns the loop
@@ -322,6 +389,39 @@ def _text(content: Any, where: str) -> str:
     return "".join(p["text"] for p in content)
 
 
+def _image_uri(part: dict, where: str) -> str:
+    """The data URI of an OpenAI `image_url` part or an Anthropic `image` block (base64 only:
+    the server is offline, so URLs are refused)."""
+    if part.get("type") == "image_url":
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        _need(isinstance(url, str) and url.startswith("data:image/"),
+              f"{where}: image_url must be a data URI (data:image/...;base64,...); URLs are not fetched")
+        return url
+    src = part.get("source")
+    _need(isinstance(src, dict) and src.get("type") == "base64" and isinstance(src.get("data"), str),
+          f"{where}: image blocks need a base64 source; URLs are not fetched")
+    return f"data:{src.get('media_type', 'image/png')};base64,{src['data']}"
+
+
+def _content(content: Any, where: str) -> str | list[dict]:
+    """User content: a string, or, when it shows images, parts [{"type": "text", "text"} |
+    {"type": "image", "image": data URI}] in order."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") in ("image_url", "image")
+                                                for p in content):
+        return _text(content, where)
+    parts = []
+    for j, p in enumerate(content):
+        _need(isinstance(p, dict), f"{where}.{j}: must be an object")
+        if p.get("type") == "text" and isinstance(p.get("text"), str):
+            parts.append({"type": "text", "text": p["text"]})
+        elif p.get("type") in ("image_url", "image"):
+            parts.append({"type": "image", "image": _image_uri(p, f"{where}.{j}")})
+        else:
+            raise BadRequest(f"{where}.{j}: unsupported content part {p.get('type')!r} (text and images only)")
+    return parts
+
+
 def _json_args(arguments: Any) -> Any:
     """OpenAI sends tool arguments as a JSON string; keep the object it encodes."""
     try:
@@ -341,7 +441,7 @@ def openai_request(body: dict) -> tuple[list[dict], list[dict] | None, Any]:
         _need(isinstance(m, dict) and m.get("role") in ("system", "developer", "user", "assistant", "tool"),
               f"{where}: needs a role of system, developer, user, assistant or tool")
         msg = {"role": "system" if m["role"] == "developer" else m["role"],
-               "content": _text(m.get("content"), f"{where}.content")}
+               "content": (_content if m["role"] == "user" else _text)(m.get("content"), f"{where}.content")}
         if m["role"] == "assistant" and m.get("tool_calls"):
             try:
                 msg["tool_calls"] = [{"id": c.get("id", ""), "name": c["function"]["name"],
@@ -375,6 +475,8 @@ def anthropic_request(body: dict) -> tuple[list[dict], list[dict] | None, Any]:
             kind = b.get("type") if isinstance(b, dict) else None
             if kind == "text" and isinstance(b.get("text"), str):
                 text.append(b["text"])
+            elif kind == "image" and m["role"] == "user":
+                text.append({"type": "image", "image": _image_uri(b, f"{where}.content.{j}")})
             elif kind == "tool_use" and m["role"] == "assistant" and isinstance(b.get("name"), str):
                 calls.append({"id": b.get("id", ""), "name": b["name"], "arguments": b.get("input", {})})
             elif kind == "tool_result" and m["role"] == "user":
@@ -385,7 +487,9 @@ def anthropic_request(body: dict) -> tuple[list[dict], list[dict] | None, Any]:
                 raise BadRequest(f"{where}.content.{j}: unsupported block {kind!r} (text, "
                                  "tool_use in assistant turns and tool_result in user turns only)")
         if text or calls or not blocks:
-            messages.append({"role": m["role"], "content": "".join(text), **({"tool_calls": calls} if calls else {})})
+            content = "".join(text) if all(isinstance(t, str) for t in text) else \
+                [{"type": "text", "text": t} if isinstance(t, str) else t for t in text]
+            messages.append({"role": m["role"], "content": content, **({"tool_calls": calls} if calls else {})})
     tools = body.get("tools") or None
     _need(tools is None or (isinstance(tools, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
                                                             for t in tools)), "tools: each tool needs a name")
@@ -397,7 +501,14 @@ def anthropic_request(body: dict) -> tuple[list[dict], list[dict] | None, Any]:
 def _key(m: dict) -> tuple:
     """What must match for a message to count as the same one (ids and formatting aside)."""
     calls = tuple((c["name"], json.dumps(c["arguments"], sort_keys=True)) for c in m.get("tool_calls", ()))
-    return m["role"], m["content"], calls
+    content = m["content"] if isinstance(m["content"], str) else json.dumps(m["content"], sort_keys=True)
+    return m["role"], content, calls
+
+
+def _images_of(messages: list[dict]) -> list[str]:
+    """The images shown in `messages`, in order (canonical image parts)."""
+    return [p["image"] for m in messages if isinstance(m["content"], list)
+            for p in m["content"] if p.get("type") == "image"]
 
 
 def _template_messages(messages: list[dict], native_tools: bool) -> list[dict]:
@@ -441,8 +552,10 @@ class Reply:
 class ChatSession:
     """The token-exact trace behind one rollout's requests, cut into segments."""
 
-    def __init__(self, url: str, generate: Generate, tokenizer, sampling: dict, max_len: int):
+    def __init__(self, url: str, generate: Generate, tokenizer, sampling: dict, max_len: int,
+                 image_tokens=None):
         self.id = secrets.token_hex(8)
+        self.image_tokens = image_tokens   # vision.ImageTokens for a vision-language model
         self.base_url = f"{url}/s/{self.id}/v1"            # for the OpenAI SDK
         self.anthropic_base_url = f"{url}/s/{self.id}"     # the Anthropic SDK appends /v1/messages
         self.generate, self.tokenizer = generate, tokenizer
@@ -459,9 +572,15 @@ class ChatSession:
         self.truncated = False
         self.error: BaseException | None = None   # a generate failure, re-raised by run_chat_agent
 
-    def _prompt(self, messages: list[dict], tools: list[dict] | None) -> tuple[list[int], list[int], list[dict]]:
-        """(prompt ids, ids new to the trace, template messages): the last segment extended
-        when the request extends its conversation; else a fresh segment (prompt is delta)."""
+    def _uris(self, messages: list[dict]) -> list[str]:
+        images = _images_of(messages)
+        _need(not images or self.image_tokens, "this request shows images but the policy has no vision tower")
+        return self.image_tokens.uris(images) if images else []
+
+    def _prompt(self, messages: list[dict], tools: list[dict] | None) -> tuple[list[int], list[int], list[dict], list[str]]:
+        """(prompt ids, ids new to the trace, template messages, images new to the trace): the
+        last segment extended when the request extends its conversation; else a fresh segment
+        (prompt is delta). Image pads come expanded (vision.py)."""
         native = tools if self.native_tools else None
         n = len(self.keys)
         if (self.segments and tools == self.tools and len(messages) > n
@@ -469,27 +588,33 @@ class ChatSession:
             new = _template_messages(messages[n:], self.native_tools)
             try:
                 delta = delta_ids(self.tokenizer, self.rendered, self.reply_ids, new, native)
-                return self.segments[-1].tokens + delta, delta, self.rendered + new
+                images = self._uris(new)
+                delta = self.image_tokens.expand(delta, images) if images else delta
+                return self.segments[-1].tokens + delta, delta, self.rendered + new, images
             except PrefixRewrite:
                 pass  # the template re-renders history: a new segment, below
         rendered = _template_messages(messages, self.native_tools)
         if tools and not self.native_tools:
             rendered = _tool_prompt(rendered, tools)
         ids = _encode(self.tokenizer, _render(self.tokenizer, rendered, True, native))
-        return ids, ids, rendered
+        images = self._uris(rendered)
+        ids = self.image_tokens.expand(ids, images) if images else ids
+        return ids, ids, rendered, images
 
     async def complete(self, messages: list[dict], tools: list[dict] | None, max_tokens: Any) -> Reply:
         _need(max_tokens is None or (isinstance(max_tokens, int) and max_tokens > 0),
               "max_tokens must be a positive integer")
-        prompt, delta, rendered = self._prompt(messages, tools)
+        prompt, delta, rendered, new_images = self._prompt(messages, tools)
         budget = self.max_len - len(prompt)
         if budget <= 0:  # no room for even one token: an empty, cut-off reply; nothing recorded
             self.truncated = True
             return Reply("", [], "length", len(prompt), 0)
         run_limit = self.sampling.get("max_tokens") or budget
         limit = min(max_tokens or run_limit, run_limit, budget)
+        images = (new_images if delta is prompt else self.segments[-1].images + new_images)
         try:
-            out = await self.generate(prompt, {**self.sampling, "max_tokens": limit})
+            out = await _sample(self.generate, prompt, images, {**self.sampling, "max_tokens": limit},
+                                self.image_tokens)
         except Exception as e:
             self.error = e
             raise
@@ -497,6 +622,7 @@ class ChatSession:
         if delta is prompt:
             self.segments.append(Trajectory(tokens=[], mask=[], logprobs=[], versions=[], reward=0.0))
         self.segments[-1].add(delta, False)
+        self.segments[-1].images += new_images
         self.segments[-1].add(ids, True, out["logprobs"], out.get("versions", out["version"]))
         self.requests += 1
         sampled = decode_reply(self.tokenizer, ids)
@@ -576,10 +702,11 @@ class ChatServer:
             await self._runner.cleanup()
             self._runner, self.url = None, ""
 
-    def open_session(self, generate: Generate, tokenizer, *, sampling: dict, max_len: int) -> ChatSession:
+    def open_session(self, generate: Generate, tokenizer, *, sampling: dict, max_len: int,
+                     image_tokens=None) -> ChatSession:
         if not self.url:
             raise ValueError("ChatServer.open_session: call `await server.start()` first")
-        session = ChatSession(self.url, generate, tokenizer, sampling, max_len)
+        session = ChatSession(self.url, generate, tokenizer, sampling, max_len, image_tokens)
         self.sessions[session.id] = session
         return session
 
@@ -626,13 +753,20 @@ class ChatServer:
 
 
 async def run_chat_agent(agent: ChatAgent, row: dict, generate: Generate, tokenizer, server: ChatServer, *,
-                         sampling: dict, max_len: int) -> list[Trajectory]:
+                         sampling: dict, max_len: int, image_tokens=None) -> list[Trajectory]:
     """Run one `agent.run` on `row` through a fresh session of `server` (started, in this
-    event loop). Returns the rollout's segments, each carrying its reward, score and info."""
-    session = server.open_session(generate, tokenizer, sampling=sampling, max_len=max_len)
+    event loop). Returns the rollout's segments, each carrying its reward, score and info.
+    A row's images appear in `ctx.messages` as OpenAI `image_url` parts with data URIs."""
+    session = server.open_session(generate, tokenizer, sampling=sampling, max_len=max_len,
+                                  image_tokens=image_tokens)
+    images = image_tokens.uris(row.get("images")) if image_tokens else _no_images(row.get("images"))
+    messages, shown = with_images(_messages(row["prompt"]), images), iter(images)
+    messages = [{**m, "content": [{"type": "image_url", "image_url": {"url": next(shown)}}
+                                  if p.get("type") in ("image", "image_url") else p for p in m["content"]]}
+                if isinstance(m["content"], list) else m for m in messages]
     ctx = ChatContext(base_url=session.base_url, anthropic_base_url=session.anthropic_base_url,
                       api_key=server.api_key, model_name=server.model_name, prompt=row["prompt"],
-                      messages=_messages(row["prompt"]), label=row.get("label"), row=row,
+                      messages=messages, label=row.get("label"), row=row,
                       sampling_params=dict(sampling))
     try:
         result = await agent.run(ctx)

@@ -56,13 +56,39 @@ def _check_message(msgs: Any, where: str, key: str) -> None:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
             raise ValueError(f"{where}: field {key!r}: message {i} is not an object {{role, content}}")
-        for f in ("role", "content"):
-            if not isinstance(m.get(f), str):
-                raise ValueError(f"{where}: field {key!r}: message {i} has no string {f!r}")
+        if not isinstance(m.get("role"), str):
+            raise ValueError(f"{where}: field {key!r}: message {i} has no string 'role'")
+        content = m.get("content")
+        parts_ok = isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in ("text", "image", "image_url")
+                                                     for p in content)
+        if not isinstance(content, str) and not parts_ok:
+            raise ValueError(f"{where}: field {key!r}: message {i} needs a string 'content' or a list of "
+                             "text/image parts")
 
 
-def make_row(raw: Any, where: str, input_key: str, label_key: str) -> dict:
-    """One source row -> {"prompt", "label", ...}; errors start with `where` (file:line)."""
+def _images(raw: dict, where: str, image_key: str, max_images: int | None) -> list:
+    """A row's images (--image_key): one or a list of local paths, data URIs or base64."""
+    images = raw.get(image_key)
+    if hasattr(images, "tolist"):
+        images = images.tolist()
+    images = [] if images is None else [images] if isinstance(images, str) else images
+    if not isinstance(images, list) or not all(isinstance(i, str) and i for i in images):
+        raise ValueError(f"{where}: field {image_key!r} (--image_key) must be a path, data URI or base64 "
+                         "string, or a list of them")
+    for spec in images:
+        if spec.startswith(("http://", "https://")):
+            raise ValueError(f"{where}: field {image_key!r}: image URLs are refused (runs are offline): "
+                             f"download {spec[:60]!r} and give its path")
+        if not spec.startswith("data:") and len(spec) < 256 and not Path(spec).is_file():
+            raise ValueError(f"{where}: field {image_key!r}: no image file {spec!r}")
+    if max_images is not None and len(images) > max_images:
+        raise ValueError(f"{where}: {len(images)} images, more than --max_images_per_prompt {max_images}")
+    return images
+
+
+def make_row(raw: Any, where: str, input_key: str, label_key: str, image_key: str = "images",
+             max_images: int | None = None) -> dict:
+    """One source row -> {"prompt", "label", "images"?, ...}; errors start with `where` (file:line)."""
     if not isinstance(raw, dict):
         raise ValueError(f"{where}: expected an object with field {input_key!r}, got {type(raw).__name__}")
     if input_key not in raw or raw[input_key] is None:
@@ -82,7 +108,11 @@ def make_row(raw: Any, where: str, input_key: str, label_key: str) -> dict:
     elif not isinstance(prompt, str) or not prompt.strip():
         raise ValueError(f"{where}: field {input_key!r} must be non-empty text or a list of "
                          f"{{role, content}} messages, got {prompt!r:.60}")
-    return {**raw, "prompt": prompt, "label": raw.get(label_key)}
+    row = {**raw, "prompt": prompt, "label": raw.get(label_key)}
+    images = _images(raw, where, image_key, max_images)
+    if images:
+        row["images"] = images
+    return row
 
 
 def _jsonl(path: Path) -> Iterator[tuple[str, Any]]:
@@ -143,7 +173,8 @@ def _hf_folder(path: Path) -> Iterator[tuple[str, Any]]:
         yield f"{where}: row {i}", row
 
 
-def load_rows(path: str, input_key: str = "prompt", label_key: str = "label") -> list[dict]:
+def load_rows(path: str, input_key: str = "prompt", label_key: str = "label", image_key: str = "images",
+              max_images: int | None = None) -> list[dict]:
     """Every row of a dataset file or HF folder, checked; one clear error on the first bad row."""
     p = Path(path)
     if p.is_dir():
@@ -155,7 +186,7 @@ def load_rows(path: str, input_key: str = "prompt", label_key: str = "label") ->
     else:
         raise ValueError(f"--dataset {path}: unknown format {p.suffix!r}; use one of "
                          f"{', '.join(FORMATS)}, a HF datasets folder or {RG_PREFIX}<task>")
-    rows = [make_row(raw, where, input_key, label_key) for where, raw in reader(p)]
+    rows = [make_row(raw, where, input_key, label_key, image_key, max_images) for where, raw in reader(p)]
     if not rows:
         raise ValueError(f"{path}: no rows")
     return rows
@@ -230,7 +261,7 @@ def prompt_source(cfg: dict, agent_cls: type) -> Iterator[dict]:
     if spec.startswith(RG_PREFIX):
         yield from reasoning_gym_rows(spec, seed)
         return
-    rows = load_rows(spec, cfg["input_key"], cfg["label_key"])
+    rows = dataset_rows(cfg, spec)
     rng = random.Random(seed)
     while True:
         order = list(range(len(rows)))
@@ -247,7 +278,13 @@ def check_dataset(cfg: dict) -> None:
     if spec.startswith(RG_PREFIX):
         check_rg(spec)
     else:
-        load_rows(spec, cfg["input_key"], cfg["label_key"])
+        dataset_rows(cfg, spec)
+
+
+def dataset_rows(cfg: dict, path: str) -> list[dict]:
+    """load_rows with the run's --input_key, --label_key, --image_key, --max_images_per_prompt."""
+    return load_rows(path, cfg["input_key"], cfg["label_key"], cfg.get("image_key", "images"),
+                     cfg.get("max_images_per_prompt"))
 
 
 # ---------------------------------------------------------------- models
@@ -315,7 +352,7 @@ def first_rows(cfg: dict, agent_cls: type | None, n: int = 8) -> list[dict]:
     """The first few rows the loop would see (no shuffling; the check is about lengths)."""
     spec = cfg.get("dataset")
     if spec and not spec.startswith(RG_PREFIX):
-        return load_rows(spec, cfg["input_key"], cfg["label_key"])[:n]
+        return dataset_rows(cfg, spec)[:n]
     if spec:
         src = reasoning_gym_rows(spec, cfg["seed"], epoch_size=n)
     else:

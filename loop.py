@@ -4,7 +4,7 @@
     repeat --steps times:
         keep prompt groups generating (a streaming pool, bounded staleness)
         take the first --prompts_per_step groups that finish -> trainer.train_step
-        trainer.weights_blob -> every engine's update_weights  (no engine restart)
+        trainer weights -> every engine's update_weights  (no engine restart)
         log one JSON line of metrics
     export the final model, print a summary
 
@@ -208,7 +208,7 @@ async def evaluate(cfg: dict, client, agent_cls: type, tokenizer, rows: list[dic
 
 def eval_rows(cfg: dict, agent_cls: type) -> list[dict]:
     if cfg["eval_dataset"]:
-        return data.load_rows(cfg["eval_dataset"], cfg["input_key"], cfg["label_key"])
+        return data.dataset_rows(cfg, cfg["eval_dataset"])
     return list(itertools.islice(agent_cls.prompts(cfg["seed"] + 1_000_003), cfg["eval_prompts"]))
 
 
@@ -249,7 +249,7 @@ async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, to
             train_s = time.perf_counter() - t_train
             version += 1
             if client is not None:
-                metrics["weight_sync_s"] = await engines.update_weights(trainer.weights_blob(), version)
+                metrics["weight_sync_s"] = await engines.update_weights(trainer, version)
                 busy = await engines.busy_seconds()
             step_s = time.perf_counter() - t_step
             metrics.update({
@@ -337,11 +337,13 @@ def run(cfg: dict) -> dict:
         engines = None if cfg["replay_rollouts"] else start_engines(cfg)
         trainer = TrainerGroup(cfg)
         wait_ready(cfg, [*trainer.ready()] + ([a.get_version.remote() for a in engines.actors] if engines else []))
+        if engines is not None:
+            asyncio.run(engines.connect(trainer))
         if resume_from is not None:
             start = json.loads((resume_from / "loop.json").read_text())
             ray.get(trainer.call("load_checkpoint", str(resume_from / "trainer")))
             if engines is not None:  # the engines start from the checkpoint's weights
-                asyncio.run(engines.update_weights(trainer.weights_blob(), start["version"]))
+                asyncio.run(engines.update_weights(trainer, start["version"]))
             keep_metrics(out / "metrics.jsonl", start["step"])
             log.warning("resumed from %s (step %d)", resume_from, start["step"])
         setup_s = time.perf_counter() - t0

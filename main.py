@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(save_to_disk) or reasoning-gym:TASK[:key=value,...] (default: the agent's built-in prompts)")
     g.add_argument("--input_key", default="prompt", help="dataset field holding the prompt (text or chat messages)")
     g.add_argument("--label_key", default="label", help="dataset field holding the label passed to the agent")
+    g.add_argument("--image_key", default="images", help="dataset field holding a row's images (vision-language "
+                   "models): a local path, a data URI or base64, or a list of them; URLs are refused")
+    g.add_argument("--max_images_per_prompt", type=int, default=8, help="refuse dataset rows with more images")
     g.add_argument("--output_dir", default="runs/latest", help="where metrics, config and the final model go")
 
     g = p.add_argument_group("rollout")
@@ -92,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--spec_decode", default=None, choices=["ngram", "mtp"],
                    help="speculative decoding: n-gram drafts, or the checkpoint's MTP head")
     g.add_argument("--spec_tokens", type=int, default=3, help="draft tokens per step for --spec_decode")
+    g.add_argument("--weight_sync", default="auto", choices=["auto", "ray", "broadcast"],
+                   help="how weights reach the engines: ray (one blob through the object store) or broadcast "
+                   "(trainer rank 0 -> every engine worker, nccl on GPU, gloo on CPU); auto: broadcast where "
+                   "this machine has a GPU, else ray")
+    g.add_argument("--sync_bucket_mb", type=int, default=512, help="bucket size of --weight_sync broadcast (MiB)")
     g.add_argument("--check_weight_sync", action="store_true", help="fail if a weight update leaves any engine "
                    "parameter untouched")
 
@@ -147,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--routing_replay", action="store_true", help="MoE: the trainer reuses the expert selection "
                    "recorded at sampling (trajectories' 'routing'); router logits still recomputed")
     g.add_argument("--freeze_router", action="store_true", help="MoE: router weights out of the optimizer and weight sync")
+    g.add_argument("--freeze_vision", action="store_true", help="vision-language models: the vision tower (and its "
+                   "projector) out of the optimizer and weight sync")
 
     g = p.add_argument_group("data and logging")
     g.add_argument("--logger", nargs="+", default=[], choices=["tensorboard", "wandb", "mlflow"],
@@ -216,8 +226,14 @@ def validate(cfg: dict) -> dict:
         need(cfg["is_level"] != "off", "--async_depth > 0 trains on tokens sampled by older policies: "
              "it needs IS correction (--is_level token|seq|geo), not 'off'")
     # engine
-    for k in ("num_engines", "engine_tp_size", "engine_dp_size", "spec_tokens"):
+    for k in ("num_engines", "engine_tp_size", "engine_dp_size", "spec_tokens", "sync_bucket_mb"):
         need(cfg[k] >= 1, f"--{k} must be >= 1, got {cfg[k]}")
+    if cfg["weight_sync"] == "auto":
+        import torch
+        cfg["weight_sync"] = "broadcast" if torch.cuda.is_available() else "ray"
+    need(cfg["weight_sync"] == "ray" or cfg["engine_dp_size"] == 1,
+         "--weight_sync broadcast reaches the workers of one engine core; with --engine_dp_size > 1 use "
+         "--weight_sync ray (or more --num_engines instead of engine data parallelism)")
     # loop
     for k in ("eval_every", "save_every"):
         need(cfg[k] >= 0, f"--{k} must be >= 0")
@@ -240,7 +256,7 @@ def validate(cfg: dict) -> dict:
         Path(cfg["dump_rollouts"]).mkdir(parents=True, exist_ok=True)
     if cfg["eval_dataset"]:
         import data
-        data.load_rows(cfg["eval_dataset"], cfg["input_key"], cfg["label_key"])  # one clear error for a bad file
+        data.dataset_rows(cfg, cfg["eval_dataset"])  # one clear error for a bad file
     out = Path(cfg["output_dir"])
     has_checkpoints = any((out / "checkpoints").glob("step_*"))
     need(not cfg["resume"] or has_checkpoints,
@@ -271,14 +287,23 @@ def validate(cfg: dict) -> dict:
     for k in ("tp_size", "cp_size", "ep_size"):
         need(cfg[k] >= 1, f"--{k} must be >= 1, got {cfg[k]}")
     need(cfg["micro_batch_tokens"] is None or cfg["micro_batch_tokens"] >= 1, "--micro_batch_tokens must be >= 1")
+    need(cfg["max_images_per_prompt"] >= 1, "--max_images_per_prompt must be >= 1")
     import parallel
     from transformers import AutoConfig
     dims = parallel.ParallelDims(world_size=cfg["train_workers"], tp=cfg["tp_size"], cp=cfg["cp_size"], ep=cfg["ep_size"])
     model_cfg = AutoConfig.from_pretrained(cfg["model"])
     dims.check_model(model_cfg)
-    moe = bool(getattr(model_cfg, "num_experts", 0))
+    moe = bool(getattr(model_cfg.get_text_config(), "num_experts", 0))
     need(moe or not (cfg["routing_replay"] or cfg["freeze_router"]),
          "--routing_replay/--freeze_router apply to mixture-of-experts models only")
+    vlm = hasattr(model_cfg, "vision_config")
+    need(vlm or not cfg["freeze_vision"], "--freeze_vision applies to vision-language models only")
+    if vlm:  # images need whole rows with their own 3D (M-RoPE) positions
+        need(not cfg["packing"], "--packing is not supported for vision-language models (image positions are "
+             "computed per row); drop --packing")
+        need(cfg["cp_size"] == 1 and cfg["tp_size"] == 1 and cfg["ep_size"] == 1,
+             "vision-language models train with data parallelism (FSDP2) only: --cp_size, --tp_size and "
+             "--ep_size must be 1")
     if cfg["cp_size"] > 1:
         need(not cfg["packing"], "--packing with --cp_size > 1 is not supported (CP splits padded rows)")
         need(cfg["loss"] != "gspo", "--loss gspo needs whole sequences on one rank; not with --cp_size > 1")

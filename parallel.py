@@ -68,6 +68,7 @@ class ParallelDims:
 
     def check_model(self, config) -> None:
         """Model-dependent checks (head counts, experts) with the message a user needs."""
+        config = config.get_text_config()  # a VLM's language model (a text model's own config)
         heads, kv = config.num_attention_heads, config.num_key_value_heads
         experts = getattr(config, "num_experts", 0) or 0
         if self.tp > 1 and (heads % self.tp or kv % self.tp):
@@ -142,7 +143,7 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
     stay whole (use EP for them); embeddings and the LM head stay replicated, so logprobs see the
     full vocabulary on every TP rank without a gather (vocab-parallel log-softmax is not done)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    for block in model.model.layers:
+    for block in text_layers(model):
         plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
                 "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel()}
         if hasattr(block.mlp, "gate_proj"):  # dense MLP
@@ -218,7 +219,7 @@ class EPExperts(torch.nn.Module):
 
 def apply_ep(model: torch.nn.Module, dims: ParallelDims) -> None:
     ep_rank = dims.ep_mesh["ep"].get_local_rank()
-    for block in model.model.layers:
+    for block in text_layers(model):
         block.mlp.experts = EPExperts(block.mlp.experts, ep_rank, dims.ep, dims.group("ep"))
 
 
@@ -267,7 +268,7 @@ def apply_cp(model: torch.nn.Module, dims: ParallelDims) -> None:
 # ---- MoE: routing replay, frozen router ------------------------------------------------------
 def moe_gates(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The router of each MoE block, in layer order (empty for dense models)."""
-    return [b.mlp.gate for b in model.model.layers if hasattr(b.mlp, "gate") and hasattr(b.mlp, "experts")]
+    return [b.mlp.gate for b in text_layers(model) if hasattr(b.mlp, "gate") and hasattr(b.mlp, "experts")]
 
 
 def _gate_hook(gate, args, output):
@@ -318,7 +319,7 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, *, param_dtype: torc
     Routers are their own FSDP unit in fp32; expert weights are sharded over "efsdp"."""
     if dims.tp > 1:
         apply_tp(model, dims.mesh["tp"])
-    if dims.ep > 1 and hasattr(model.model.layers[0].mlp, "experts"):
+    if dims.ep > 1 and hasattr(text_layers(model)[0].mlp, "experts"):
         apply_ep(model, dims)
     if dims.cp > 1:
         apply_cp(model, dims)
@@ -332,7 +333,9 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, *, param_dtype: torc
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     mesh = dims.dp_cp_mesh
     units = []
-    for block in model.model.layers:
+    for block in vision_blocks(model):  # a VLM's vision tower: one unit per block as well
+        units.append(fully_shard(block, mesh=mesh, mp_policy=mp, **extra))
+    for block in text_layers(model):
         for gate in moe_gates_of(block):
             units.append(fully_shard(gate, mesh=mesh, mp_policy=fp32, **extra))   # the router runs in fp32
         if isinstance(getattr(block.mlp, "experts", None), EPExperts):
@@ -347,6 +350,21 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, *, param_dtype: torc
             for p in m.parameters():
                 p._molt_ep = True              # its norm is summed over the EP group too
     return model
+
+
+def text_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder blocks of a causal LM, or of a vision-language model's language model."""
+    return getattr(model.model, "language_model", model.model).layers
+
+
+def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
+    """A VLM's vision encoder with its projector (Qwen-VL `model.visual`); None for a text model."""
+    return getattr(model.model, "visual", None)
+
+
+def vision_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    tower = vision_tower(model)
+    return list(tower.blocks) if tower is not None else []
 
 
 def moe_gates_of(block: torch.nn.Module) -> list[torch.nn.Module]:

@@ -12,7 +12,8 @@
      action tokens of the whole step, backward; then clip and step the optimizer.
 
 `weights_blob()` returns the full state dict as safetensors bytes for the
-generator. `build_tiny_model` makes the default random-init model and its
+generator (`--weight_sync ray`); `broadcast_weights()` sends it from rank 0
+into the engines' workers over a process group (`--weight_sync broadcast`). `build_tiny_model` makes the default random-init model and its
 offline character tokenizer.
 
     python -c "import trainer; trainer.build_tiny_model('/tmp/tiny')"
@@ -23,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -121,6 +123,13 @@ def split_rows(rows: torch.Tensor, cost: torch.Tensor, n: int) -> list[torch.Ten
     return [rows[sorted(p)] for p in parts]
 
 
+def load_model(path: str) -> torch.nn.Module:
+    """A transformers causal LM, or a vision-language model (its config has a vision_config)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    vlm = hasattr(AutoConfig.from_pretrained(path), "vision_config")
+    return (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_pretrained(path, dtype=torch.float32)
+
+
 class ValueModel(torch.nn.Module):
     """The critic for --estimator gae: the policy's backbone with a scalar head."""
 
@@ -128,7 +137,7 @@ class ValueModel(torch.nn.Module):
         from transformers import AutoModel
         super().__init__()
         self.model = AutoModel.from_pretrained(path, dtype=torch.float32)  # the decoder, no LM head
-        self.head = torch.nn.Linear(self.model.config.hidden_size, 1)
+        self.head = torch.nn.Linear(self.model.config.get_text_config().hidden_size, 1)
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
 
@@ -153,7 +162,7 @@ class Trainer:
 
     def __init__(self, cfg: dict, rank: int = 0, world_size: int = 1,
                  master_addr: str = "127.0.0.1", master_port: int = 0):
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         self.cfg = cfg
         torch.manual_seed(cfg["seed"])
@@ -163,24 +172,35 @@ class Trainer:
                                                 master_port or parallel.free_port())
         self.dims = parallel.ParallelDims(world_size=world_size, tp=cfg.get("tp_size", 1),
                                           cp=cfg.get("cp_size", 1), ep=cfg.get("ep_size", 1))
-        self.dims.check_model(AutoConfig.from_pretrained(cfg["model"]))
+        config = AutoConfig.from_pretrained(cfg["model"])
+        self.dims.check_model(config)
         self.mesh = self.dims.build_mesh(self.device)
         self.dtype = getattr(torch, cfg["param_dtype"])
         self.tokenizer = AutoTokenizer.from_pretrained(cfg["model"])
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=torch.float32)
+        # A vision-language model: its image processor turns a trajectory's images into the
+        # pixel inputs of the forward (vision.py holds the image-token convention).
+        self.image_processor = self.image_token_id = None
+        if hasattr(config, "vision_config"):
+            from transformers import AutoImageProcessor
+            self.image_processor = AutoImageProcessor.from_pretrained(cfg["model"])
+            self.image_token_id = config.image_token_id
+        model = load_model(cfg["model"])
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         if cfg.get("freeze_router"):
             for gate in parallel.moe_gates(model):
                 gate.weight.requires_grad_(False)
+        if cfg.get("freeze_vision"):
+            parallel.vision_tower(model).requires_grad_(False)
+        # Frozen weights never change: the engine keeps its own copy (weight sync skips them).
+        self.frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
         self.model = self._shard(model, routing_hooks=True)
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad],
                                            lr=cfg["lr"], betas=(0.9, 0.99),
                                            weight_decay=cfg["weight_decay"], eps=1e-8)
         self.ref = None
         if needs_reference(cfg):
-            self.ref = self._shard(AutoModelForCausalLM.from_pretrained(cfg["ref_model"] or cfg["model"],
-                                                                        dtype=torch.float32), routing_hooks=True)
+            self.ref = self._shard(load_model(cfg["ref_model"] or cfg["model"]), routing_hooks=True)
             self.ref.requires_grad_(False).eval()
         self.critic = self.critic_optimizer = None
         if cfg["estimator"] == "gae":
@@ -453,7 +473,8 @@ class Trainer:
 
     def sync_state_dict(self) -> dict[str, torch.Tensor]:
         """What the engine receives: checkpoint names vLLM's load_weights takes (MoE experts
-        per expert: experts.{e}.gate_proj/up_proj/down_proj.weight), frozen routers left out."""
+        per expert: experts.{e}.gate_proj/up_proj/down_proj.weight), frozen weights (router,
+        vision tower) left out."""
         out = {}
         for k, v in self.full_state_dict().items():
             if k.endswith("mlp.experts.gate_up_proj"):        # [E, 2I, H]
@@ -464,7 +485,7 @@ class Trainer:
             elif k.endswith("mlp.experts.down_proj"):         # [E, H, I]
                 for e in range(v.shape[0]):
                     out[f"{k[:-len('down_proj')]}{e}.down_proj.weight"] = v[e]
-            elif self.cfg.get("freeze_router") and k.endswith("mlp.gate.weight"):
+            elif k in self.frozen:
                 continue                                      # never changes: nothing to send
             else:
                 out[k] = v
@@ -474,6 +495,25 @@ class Trainer:
         """Full weights as safetensors bytes, in the checkpoint names vLLM loads."""
         return safetensors.torch.save({k: v.contiguous() for k, v in self.sync_state_dict().items()})
 
+    def weight_sync_address(self) -> tuple[str, int]:
+        """Where rank 0 hosts the broadcast group's store."""
+        import ray
+        return ray.util.get_node_ip_address(), parallel.free_port()
+
+    def join_weight_sync(self, host: str, port: int, world: int):
+        if self.dims.rank == 0:
+            import generator
+            self.sync_group = generator.weight_sync_group(host, port, 0, world, self.device)
+
+    def broadcast_weights(self) -> int:
+        """Send the weights to every engine worker (they must be receiving). Every rank must
+        call it (the full state dict is gathered); rank 0 sends. Returns bytes sent."""
+        import generator
+        weights = self.sync_state_dict()
+        if self.dims.rank != 0:
+            return 0
+        return generator.send_weights(self.sync_group, weights, self.cfg["sync_bucket_mb"] << 20, self.device)
+
     def weight_names(self) -> list[str]:
         """Names in every weights_blob (for --check_weight_sync: the engine compares them with
         its own parameters). Every rank must call it."""
@@ -481,16 +521,20 @@ class Trainer:
 
     def export(self, path: str) -> str:
         """Write a save_pretrained folder (model + tokenizer) that vLLM and transformers load."""
-        from transformers import AutoModelForCausalLM
         sd = self.full_state_dict()
         if self.dims.rank != 0:
             return path
-        model = AutoModelForCausalLM.from_pretrained(self.cfg["model"], dtype=torch.float32)
+        model = load_model(self.cfg["model"])
         model.load_state_dict(sd, strict=not self.tied)
         if self.tied:
             model.tie_weights()
         model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
+        if self.image_processor is not None:  # processor files (and any code they name) go along
+            for f in Path(self.cfg["model"]).iterdir():
+                if (f.is_file() and f.suffix in (".json", ".py", ".jinja") and not f.name.endswith(".index.json")
+                        and not Path(path, f.name).exists()):
+                    shutil.copy(f, Path(path, f.name))
         Path(path, "molt_version.json").write_text(json.dumps({"version": self.version}))
         return path
 

@@ -8,7 +8,9 @@ SmolLM2-135M-Instruct) it prints ratios against baselines measured in the same r
                 (aim <= 1.05 in time);
   2. prefix cache: prefill time of a multi-turn session's later turn with
                 prefix caching on vs off;
-  3. weight sync: seconds of one `update_weights` vs one trainer step.
+  3. weight sync: seconds of one sync (trainer state dict -> engine, end to end)
+                vs one trainer step, for both transports (--weight_sync ray: one
+                safetensors blob; broadcast: bucketed gloo broadcast), and their ratio.
 
     python bench/generator.py [--models tiny smollm2] [--prompts 64] [--max_tokens 32]
 """
@@ -26,7 +28,8 @@ MAX_LEN = 1024  # the tiny model's max_position_embeddings
 def plain_vllm(model: str, prompts: list[list[int]], max_tokens: int) -> float:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=MAX_LEN, seed=0)
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=MAX_LEN, seed=0,
+              gpu_memory_utilization=0.5)  # as Generator: on CPU a share of RAM
     params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, detokenize=False)
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:4]], params, use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
@@ -66,7 +69,8 @@ async def later_turn_prefill(model: str, prefix_caching: bool, session: list[int
     return sorted(times)[len(times) // 2]
 
 
-async def sync_vs_step(model: str, prompts: list[list[int]]) -> tuple[float, float]:
+async def sync_vs_step(model: str, prompts: list[list[int]]) -> tuple[float, float, float]:
+    """Seconds of one train step, one blob sync and one broadcast sync (medians of 3)."""
     import main
     from generator import Generator
     from trainer import Trainer
@@ -80,10 +84,19 @@ async def sync_vs_step(model: str, prompts: list[list[int]]) -> tuple[float, flo
     t0 = time.perf_counter()
     trainer.train_step(trajs)
     step = time.perf_counter() - t0
-    blob = trainer.weights_blob()
-    sync = (await gen.update_weights(blob, 1))["seconds"]
+    host, port = trainer.weight_sync_address()
+    await asyncio.gather(asyncio.to_thread(trainer.join_weight_sync, host, port, 2),
+                         gen.join_weight_sync(host, port, 1, 2))
+    blob_s, bcast_s = [], []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        await gen.update_weights(trainer.weights_blob(), 1)
+        blob_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        await asyncio.gather(asyncio.to_thread(trainer.broadcast_weights), gen.update_weights(None, 1))
+        bcast_s.append(time.perf_counter() - t0)
     gen.shutdown()
-    return sync, step
+    return step, sorted(blob_s)[1], sorted(bcast_s)[1]
 
 
 def model_path(name: str) -> str | None:
@@ -119,9 +132,12 @@ if __name__ == "__main__":
         tokens = args.prompts * args.max_tokens
         cached = asyncio.run(later_turn_prefill(path, True, session))
         uncached = asyncio.run(later_turn_prefill(path, False, session))
-        sync, step = asyncio.run(sync_vs_step(path, prompts[:16]))
+        step, sync, bcast = asyncio.run(sync_vs_step(path, prompts[:16]))
         print(f"[{name}] plain vLLM {tokens / plain:.0f} tok/s, ours {tokens / mine:.0f} tok/s: "
               f"time ratio ours/plain = {mine / plain:.3f}")
         print(f"[{name}] later-turn prefill ({len(session)}-token prefix): cached {cached * 1e3:.1f} ms, "
               f"uncached {uncached * 1e3:.1f} ms: ratio cached/uncached = {cached / uncached:.3f}")
-        print(f"[{name}] weight sync {sync * 1e3:.0f} ms vs train step {step * 1e3:.0f} ms: ratio = {sync / step:.3f}")
+        print(f"[{name}] weight sync (ray blob) {sync * 1e3:.0f} ms vs train step {step * 1e3:.0f} ms: "
+              f"ratio = {sync / step:.3f}")
+        print(f"[{name}] weight sync (broadcast) {bcast * 1e3:.0f} ms: ratio to step = {bcast / step:.3f}, "
+              f"broadcast/blob = {bcast / sync:.3f}")

@@ -64,7 +64,7 @@ def test_chat_messages_in_a_parquet_list_column(tmp_path):
     ("csv", [{"q": "ok", "x": "1"}, {"q": "", "x": "2"}], "d.csv:3: field 'q' must be non-empty text"),
     ("parquet", [{"q": "ok"}, {"q": None}], "d.parquet: row 1: missing field 'q'"),
     ("hf", [{"q": "ok"}, {"q": "  "}], "hf: row 1: field 'q' must be non-empty text"),
-    ("jsonl", [{"q": [{"role": "user"}]}], "d.jsonl:1: field 'q': message 0 has no string 'content'"),
+    ("jsonl", [{"q": [{"role": "user"}]}], "d.jsonl:1: field 'q': message 0 needs a string 'content' or a list"),
     ("json", [{"q": 5}], "d.json: row 0: field 'q' must be non-empty text or a list"),
 ])
 def test_malformed_row_names_file_row_and_field(tmp_path, fmt, rows, message):

@@ -213,3 +213,27 @@ def test_moe_weight_sync_matches_the_trainer(tiny_moe, loop, tiny_tokenizer):
         assert mean < 1e-4 and worst < 1e-3, (mean, worst)
     finally:
         moe_engine.shutdown()
+
+
+def test_broadcast_weight_sync_matches_the_trainer(engine, trainer, loop, tiny_tokenizer):
+    """--weight_sync broadcast: trainer rank 0 -> the engine's worker over gloo, in small
+    buckets (several per update); afterwards the engine samples with the trainer's weights."""
+    trainer.cfg["sync_bucket_mb"] = 0  # 0 MiB: every tensor its own bucket
+    host, port = trainer.weight_sync_address()
+
+    async def join():
+        await asyncio.gather(asyncio.to_thread(trainer.join_weight_sync, host, port, 2),
+                             engine.join_weight_sync(host, port, 1, 2))
+    loop.run_until_complete(join())
+    trainer.train_step(_sample(engine, loop, tiny_tokenizer))
+    assert _gap(trainer, _sample(engine, loop, tiny_tokenizer))[1] > 1e-3  # stale before the sync
+
+    async def sync():
+        sent, got = await asyncio.gather(asyncio.to_thread(trainer.broadcast_weights),
+                                         engine.update_weights(None, trainer.version))
+        return sent, got
+    sent, got = loop.run_until_complete(sync())
+    assert sent == sum(v.numel() * v.element_size() for v in trainer.sync_state_dict().values())
+    assert got["missing"] == [] and engine.version == trainer.version
+    worst, mean = _gap(trainer, _sample(engine, loop, tiny_tokenizer))
+    assert mean < 1e-4 and worst < 1e-3, (mean, worst)

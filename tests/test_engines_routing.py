@@ -18,7 +18,7 @@ class FakeEngine:
         self.name, self.calls = name, []
         self.generate = FakeMethod(self._generate)
 
-    async def _generate(self, ids, sampling):
+    async def _generate(self, ids, sampling, images=None):
         self.calls.append(len(ids))
         await asyncio.sleep(0.01)
         return {"engine": self.name}

@@ -75,10 +75,11 @@ def test_every_rollout_failing_stops_with_a_clear_error(tiny_model, tmp_path):
 def test_async_partial_rollout_checkpoint_resume_and_replay(tiny_model, tmp_path):
     """Async depth 1 with partial rollout, filtering and eval; a checkpoint per step; then
     a resumed run continues where the first stopped; then the dumped batches retrain
-    without an engine."""
+    without an engine. Weights go by broadcast (gloo), to two engines in the first run."""
     import loop
     out, dump = tmp_path / "run", tmp_path / "dump"
-    common = ["--model", tiny_model, "--output_dir", str(out), *SMALL, "--export_hf", "none"]
+    common = ["--model", tiny_model, "--output_dir", str(out), *SMALL, "--export_hf", "none",
+              "--weight_sync", "broadcast"]
     main.main([*common, "--steps", "2", "--async_depth", "1", "--partial_rollout", "--num_engines", "2", "--eval_every", "2",
                "--eval_prompts", "4", "--save_every", "1", "--keep_checkpoints", "1", "--dump_rollouts", str(dump)])
     lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
