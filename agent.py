@@ -146,17 +146,28 @@ class Trajectory:
 Generate = Callable[..., Awaitable[dict]]   # (prompt_ids, sampling[, images]) -> dict (generator.py)
 
 
+class DropRollout(Exception):
+    """This rollout cannot be trained on; the loop drops it and counts `dropped/<reason>`."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 async def _sample(generate: Generate, tokens: list[int], images: list[str], sampling: dict,
                   image_tokens) -> dict:
     """One completion of `tokens`. With images the engine gets one pad per image and the
     images (vision.py's convention) and must expand them into exactly `tokens`."""
     if not images:
-        return await generate(tokens, sampling)
-    out = await generate(image_tokens.engine_ids(tokens), sampling, images)
-    if out["prompt_ids"] != tokens:
-        raise ValueError("the engine expanded the image tokens differently from the image processor "
-                         f"({len(out['prompt_ids'])} ids, expected {len(tokens)}): check the model's "
-                         "preprocessor_config.json")
+        out = await generate(tokens, sampling)
+    else:
+        out = await generate(image_tokens.engine_ids(tokens), sampling, images)
+        if out["prompt_ids"] != tokens:
+            raise ValueError("the engine expanded the image tokens differently from the image processor "
+                             f"({len(out['prompt_ids'])} ids, expected {len(tokens)}): check the model's "
+                             "preprocessor_config.json")
+    if image_tokens is not None and image_tokens.vision_ids.intersection(out["token_ids"]):
+        raise DropRollout("vision_token", "the policy sampled an image/vision special token")
     return out
 
 
@@ -259,10 +270,11 @@ def observation_ids(tokenizer, messages: list[dict], reply_ids: list[int],
 
 async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
                   sampling: dict, max_len: int, max_turns: int | None = None,
-                  image_tokens=None) -> Trajectory:
+                  image_tokens=None, max_images: int | None = None) -> Trajectory:
     """Run one episode of `env` on `row`; returns its token-exact trajectory. For a
     vision-language model `image_tokens` (vision.ImageTokens) places the row's images
-    (row["images"]) and the observations' (Result.images)."""
+    (row["images"]) and the observations' (Result.images); a trajectory shows at most
+    `max_images` (the engine's per-request limit): an observation over it ends the episode."""
     images = image_tokens.uris(row.get("images")) if image_tokens else _no_images(row.get("images"))
     messages = with_images(_messages(row["prompt"]), images)
     await env.reset(row)
@@ -300,7 +312,8 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
         obs_ids = observation_ids(tokenizer, messages, out["token_ids"], content)
         if new_images:
             obs_ids = image_tokens.expand(obs_ids, new_images)
-        if len(traj.tokens) + len(obs_ids) >= max_len:  # whole observations only: never half an image
+        if (len(traj.tokens) + len(obs_ids) >= max_len  # whole observations only: never half an image
+                or (max_images is not None and len(traj.images) + len(new_images) > max_images)):
             traj.info["truncated"] = 1.0
             break
         traj.add(obs_ids, False)

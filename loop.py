@@ -34,6 +34,7 @@ from pathlib import Path
 import agent as agents
 import data
 import logs
+import vision
 from generator import Engines, start_engines
 from trainer import TrainerGroup
 
@@ -93,6 +94,9 @@ class RolloutPool:
         except asyncio.TimeoutError:
             self._drop("timeout", f"rollout exceeded --agent_timeout {self.cfg['agent_timeout']}s")
             return []
+        except agents.DropRollout as e:
+            self._drop(e.reason, str(e))
+            return []
         except Exception as e:  # the agent's bug loses only this rollout
             if self.generate.is_engine_error(e):
                 raise
@@ -121,12 +125,14 @@ class RolloutPool:
 
 async def run_agent(cfg: dict, agent_cls: type, row: dict, generate, tokenizer, server, sampling: dict) -> list:
     """One rollout of either agent form, within --agent_timeout; returns its segments."""
+    images = vision.image_tokens(cfg["model"])  # None for a text model
     if issubclass(agent_cls, agents.ChatAgent):
         run = agents.run_chat_agent(agent_cls(), row, generate, tokenizer, server, sampling=sampling,
-                                    max_len=cfg["max_len"])
+                                    max_len=cfg["max_len"], image_tokens=images)
     else:
-        run = agents.run_env(agent_cls(), row, generate, tokenizer, sampling=sampling,
-                             max_len=cfg["max_len"], max_turns=cfg["max_turns"])
+        run = agents.run_env(agent_cls(), row, generate, tokenizer, sampling=sampling, max_len=cfg["max_len"],
+                             max_turns=cfg["max_turns"], image_tokens=images,
+                             max_images=cfg["max_images_per_prompt"])
     result = await asyncio.wait_for(run, timeout=cfg["agent_timeout"])
     return result if isinstance(result, list) else [result]
 
@@ -309,7 +315,8 @@ def complete_checkpoints(out: Path) -> list[Path]:
 
 def start_ray(cfg: dict):
     import ray
-    env = {"PYTHONPATH": os.pathsep.join(p for p in [ROOT, os.environ.get("PYTHONPATH")] if p),
+    paths = [ROOT, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]  # absolute: workers run elsewhere
+    env = {"PYTHONPATH": os.pathsep.join(str(Path(p).resolve()) for p in paths if p),
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
            "VLLM_CONFIGURE_LOGGING": os.environ.get("VLLM_CONFIGURE_LOGGING", "1")}

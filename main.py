@@ -12,6 +12,7 @@ combinations before Ray, the engine or the trainer start.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -41,7 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--label_key", default="label", help="dataset field holding the label passed to the agent")
     g.add_argument("--image_key", default="images", help="dataset field holding a row's images (vision-language "
                    "models): a local path, a data URI or base64, or a list of them; URLs are refused")
-    g.add_argument("--max_images_per_prompt", type=int, default=8, help="refuse dataset rows with more images")
+    g.add_argument("--max_images_per_prompt", type=int, default=8, help="images per engine request, all turns "
+                   "together: dataset rows with more are refused, an Env observation over it ends the episode")
+    g.add_argument("--trust_remote_code", action="store_true", help="let vLLM and transformers run code from the "
+                   "model folder (set for --model tiny-vlm, whose folder holds a CPU-machine video-processor shim)")
     g.add_argument("--output_dir", default="runs/latest", help="where metrics, config and the final model go")
 
     g = p.add_argument_group("rollout")
@@ -276,6 +280,9 @@ def validate(cfg: dict) -> dict:
     if cfg["model"] == "tiny":
         import trainer
         cfg["model"] = trainer.build_tiny_model(str(cache_dir() / "tiny-qwen3-chars-v1"))
+    if cfg["model"] == "tiny-vlm":  # our own folder: its only code is the video-processor shim
+        import vision
+        cfg["model"], cfg["trust_remote_code"] = vision.build_tiny_vlm(str(cache_dir() / "tiny-qwen2.5-vl-v1")), True
     model = Path(cfg["model"])
     need(model.is_dir() and (model / "config.json").is_file(),
          f"--model {cfg['model']}: not a model folder (expected a directory with config.json)")
@@ -298,7 +305,14 @@ def validate(cfg: dict) -> dict:
          "--routing_replay/--freeze_router apply to mixture-of-experts models only")
     vlm = hasattr(model_cfg, "vision_config")
     need(vlm or not cfg["freeze_vision"], "--freeze_vision applies to vision-language models only")
-    if vlm:  # images need whole rows with their own 3D (M-RoPE) positions
+    if vlm:
+        try:  # vLLM's Qwen-VL code imports this module, which needs torchvision
+            importlib.import_module("transformers.models.qwen2_vl.image_processing_qwen2_vl")
+        except ImportError as e:
+            raise ValueError(f"vision-language models need torchvision, which does not import here ({e}); on a "
+                             "CPU machine without it run with PYTHONPATH=examples/vlm_shims (a shim that serves "
+                             "that module from the PIL image processor)") from None
+        # images need whole rows with their own 3D (M-RoPE) positions
         need(not cfg["packing"], "--packing is not supported for vision-language models (image positions are "
              "computed per row); drop --packing")
         need(cfg["cp_size"] == 1 and cfg["tp_size"] == 1 and cfg["ep_size"] == 1,

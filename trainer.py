@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 import estimators
 import losses
 import parallel
+import vision
 
 TINY_SPECIALS = ["<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
 TINY_CHARS = list("0123456789?=+-*, ")
@@ -102,6 +103,8 @@ def collate(trajectories: list[dict], pad_id: int, multiple: int = 1) -> dict[st
         "groups": torch.tensor([t["group"] for t in trajectories], dtype=torch.long),
         "rollout_ids": torch.tensor([t["rollout_id"] for t in trajectories], dtype=torch.long),
     }
+    if any(t.get("images") for t in trajectories):              # a VLM's rows: images in pad order
+        batch["images"] = [list(t.get("images") or []) for t in trajectories]
     if all(t.get("routing") is not None for t in trajectories):
         L, k = len(trajectories[0]["routing"][0]), len(trajectories[0]["routing"][0][0])
         routing = torch.zeros(len(trajectories), T, L, k, dtype=torch.long)   # [B, T, layers, k]
@@ -281,6 +284,12 @@ class Trainer:
             Tm = -(-int(L.max()) // cp) * cp
             c0, c1 = c * Tm // cp, (c + 1) * Tm // cp
             inp = {"input_ids": batch["input_ids"][idx, c0:c1]}
+            if self.image_processor is not None:  # whole rows (CP and packing are refused for VLMs)
+                images = batch.get("images") or [[] for _ in range(len(batch["input_ids"]))]
+                inp.update(vision.mm_forward_kwargs(inp["input_ids"], [images[i] for i in idx.tolist()],
+                                                    self.image_processor, self.image_token_id))
+            elif batch.get("images"):
+                raise ValueError("trajectories with images, but the policy has no vision tower")
             if cp > 1:
                 inp["position_ids"] = torch.arange(c0, c1)[None].expand(len(idx), -1)
             tgt = batch["targets"][idx, c0:c1]

@@ -34,7 +34,7 @@ def run_env(cls, row, tokenizer, replies, max_len=1024):
 
 @pytest.mark.parametrize("file, kind", [("max_digit.py", "Env"), ("arithmetic.py", "Env"),
                                         ("python_tool.py", "Env"), ("chat_openai.py", "ChatAgent"),
-                                        ("chat_anthropic.py", "ChatAgent")])
+                                        ("chat_anthropic.py", "ChatAgent"), ("vision_colour.py", "Env")])
 def test_each_example_defines_one_agent_with_prompts(file, kind):
     cls, module = load(file)
     assert cls.__mro__[1].__name__ == kind
