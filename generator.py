@@ -8,7 +8,9 @@ and takes new weights from the trainer without restarting:
     update_weights(blob, version)                           # pause, reload, resume
 
 Prompts go in as `TokensPrompt` ids and completions come back as ids with the
-logprob of each sampled token, so nothing is ever re-tokenized. Logprobs are
+logprob of each sampled token, so nothing is ever re-tokenized. For a
+vision-language model the prompt also carries its images (one pad token per
+image; vLLM expands it and returns the expanded ids: vision.py). Logprobs are
 vLLM's "processed" logprobs, log_softmax(logits / temperature), the same
 convention the trainer uses (`losses.token_logprobs`).
 

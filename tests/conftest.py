@@ -14,6 +14,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+# hypothesis's pytest plugin imports its package lazily in the end-of-session summary; with
+# vLLM/Ray threads still alive that compile once failed on CPython 3.11.7 ("SystemError: AST
+# constructor recursion depth mismatch") after every test had passed. Import it up front.
+try:
+    import hypothesis.internal.observability  # noqa: F401
+except ImportError:
+    pass
+
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
