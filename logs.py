@@ -5,6 +5,9 @@
     sink.close()
     plot(["runs/a", "runs/b"], "compare.png")    # reward, length, KL/mismatch, step time
 
+and what the loop reports: `batch_metrics` (reward, lengths, info of a step's
+rollouts), the progress bar, the end-of-run `summarize`.
+
 The run's flags (config.json in the run folder, written by loop.run) are also
 recorded in each backend: TensorBoard hparams + a "config" text, W&B config,
 MLflow params. W&B runs offline by default (--wandb_mode): no network needed,
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 PIP = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "matplotlib": "matplotlib"}
@@ -185,3 +189,55 @@ def flags_markdown(parser, root: str | None = None) -> str:
 def argparse_suppress():
     import argparse
     return argparse.SUPPRESS
+
+
+# ---------------------------------------------------------------- the loop's step metrics and summary
+
+def batch_metrics(trajs: list[dict]) -> dict:
+    """Reward, score and length statistics, counting each rollout once (not once per segment)."""
+    rollouts: dict[tuple, dict] = {}
+    for t in trajs:
+        r = rollouts.setdefault((t["group"], t["rollout_id"]), {**t, "sampled": 0, "segments": 0})
+        r["sampled"] += sum(t["mask"])
+        r["segments"] += 1
+    rs = list(rollouts.values())
+    rewards = [r["reward"] for r in rs]
+    mean = sum(rewards) / len(rs)
+    info_keys = sorted({k for r in rs for k in r["info"]})
+    return {
+        "reward_mean": mean,
+        "reward_std": (sum((x - mean) ** 2 for x in rewards) / len(rs)) ** 0.5,
+        "score_mean": sum(r["score"] for r in rs) / len(rs),
+        "response_len": sum(r["sampled"] for r in rs) / len(rs),
+        "rollouts": len(rs),
+        "segments_per_rollout": len(trajs) / len(rs),
+        **{f"info/{k}": sum(r["info"].get(k, 0.0) for r in rs) / len(rs) for k in info_keys},
+    }
+
+
+def keep_metrics(path: Path, last_step: int):
+    """On resume, forget metrics of steps after the checkpoint (they will be redone)."""
+    if path.is_file():
+        lines = [l for l in path.read_text().splitlines() if l and json.loads(l)["step"] <= last_step]
+        path.write_text("".join(l + "\n" for l in lines))
+
+
+def progress(cfg: dict, done: int = 0):
+    from tqdm import tqdm
+    return tqdm(total=cfg["steps"], initial=done, desc="train", unit="step", dynamic_ncols=True,
+                disable=cfg["quiet"] or not sys.stderr.isatty())
+
+
+def summarize(history: list[dict], setup_s: float, total_s: float, out: Path, final: str | None) -> dict:
+    if not history:
+        return {"steps": 0, "total_s": total_s, "setup_s": setup_s, "text": "done: nothing left to train"}
+    k = max(1, min(10, len(history) // 4))
+    first = sum(m["reward_mean"] for m in history[:k]) / k
+    last = sum(m["reward_mean"] for m in history[-k:]) / k
+    mismatch = sum(m.get("mismatch_abs", 0.0) for m in history) / len(history)
+    text = (f"done: {len(history)} steps in {total_s:.0f}s (setup {setup_s:.0f}s)\n"
+            f"reward: {first:.3f} (mean of first {k} steps) -> {last:.3f} (mean of last {k})\n"
+            f"engine/trainer logprob mismatch: mean |diff| {mismatch:.2e}\n"
+            f"metrics: {out / 'metrics.jsonl'}\nmodel:   {final or '(not exported)'}")
+    return {"first_reward": first, "last_reward": last, "steps": len(history),
+            "total_s": total_s, "setup_s": setup_s, "mismatch_abs": mismatch, "text": text}

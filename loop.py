@@ -137,28 +137,6 @@ async def run_agent(cfg: dict, agent_cls: type, row: dict, generate, tokenizer, 
     return result if isinstance(result, list) else [result]
 
 
-def batch_metrics(trajs: list[dict]) -> dict:
-    """Reward, score and length statistics, counting each rollout once (not once per segment)."""
-    rollouts: dict[tuple, dict] = {}
-    for t in trajs:
-        r = rollouts.setdefault((t["group"], t["rollout_id"]), {**t, "sampled": 0, "segments": 0})
-        r["sampled"] += sum(t["mask"])
-        r["segments"] += 1
-    rs = list(rollouts.values())
-    rewards = [r["reward"] for r in rs]
-    mean = sum(rewards) / len(rs)
-    info_keys = sorted({k for r in rs for k in r["info"]})
-    return {
-        "reward_mean": mean,
-        "reward_std": (sum((x - mean) ** 2 for x in rewards) / len(rs)) ** 0.5,
-        "score_mean": sum(r["score"] for r in rs) / len(rs),
-        "response_len": sum(r["sampled"] for r in rs) / len(rs),
-        "rollouts": len(rs),
-        "segments_per_rollout": len(trajs) / len(rs),
-        **{f"info/{k}": sum(r["info"].get(k, 0.0) for r in rs) / len(rs) for k in info_keys},
-    }
-
-
 async def collect(pool: RolloutPool, cfg: dict, version: int, first_step: bool) -> list[dict]:
     """Wait for --prompts_per_step usable groups; empty (all rollouts dropped) and, with
     --filter_groups, all-equal-reward groups are replaced by new ones from the pool."""
@@ -247,7 +225,7 @@ async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, to
                 dump = Path(cfg["dump_rollouts"]) / f"step_{step:06d}.jsonl"
                 dump.write_text("".join(json.dumps(t) + "\n" for t in trajs))
 
-            metrics = {"step": step + 1, **batch_metrics(trajs)}
+            metrics = {"step": step + 1, **logs.batch_metrics(trajs)}
             if groups:
                 metrics["start_version_lag"] = version - min(g["start_version"] for g in groups)
             t_train = time.perf_counter()
@@ -351,7 +329,7 @@ def run(cfg: dict) -> dict:
             ray.get(trainer.call("load_checkpoint", str(resume_from / "trainer")))
             if engines is not None:  # the engines start from the checkpoint's weights
                 asyncio.run(engines.update_weights(trainer, start["version"]))
-            keep_metrics(out / "metrics.jsonl", start["step"])
+            logs.keep_metrics(out / "metrics.jsonl", start["step"])
             log.warning("resumed from %s (step %d)", resume_from, start["step"])
         setup_s = time.perf_counter() - t0
 
@@ -361,7 +339,7 @@ def run(cfg: dict) -> dict:
             print(json.dumps(scores))
             return scores
         metrics_file = logs.Sinks(cfg, append=resume_from is not None)  # metrics.jsonl + --logger backends
-        bar = progress(cfg, start["step"])
+        bar = logs.progress(cfg, start["step"])
 
         def on_step(m: dict):
             metrics_file.log(m)
@@ -379,16 +357,9 @@ def run(cfg: dict) -> dict:
         ray.shutdown()
     if history and not cfg.get("no_plot"):
         logs.plot([out], out / "metrics.png")
-    summary = summarize(history, setup_s, time.perf_counter() - t0, out, final)
+    summary = logs.summarize(history, setup_s, time.perf_counter() - t0, out, final)
     print(summary["text"], file=sys.stderr if cfg["quiet"] else sys.stdout)
     return summary
-
-
-def keep_metrics(path: Path, last_step: int):
-    """On resume, forget metrics of steps after the checkpoint (they will be redone)."""
-    if path.is_file():
-        lines = [l for l in path.read_text().splitlines() if l and json.loads(l)["step"] <= last_step]
-        path.write_text("".join(l + "\n" for l in lines))
 
 
 def wait_ready(cfg: dict, refs: list):
@@ -401,24 +372,3 @@ def wait_ready(cfg: dict, refs: list):
             ready, refs = ray.wait(refs, num_returns=1)
             ray.get(ready)  # raises the actor's start-up error, if any
             bar.update(1)
-
-
-def progress(cfg: dict, done: int = 0):
-    from tqdm import tqdm
-    return tqdm(total=cfg["steps"], initial=done, desc="train", unit="step", dynamic_ncols=True,
-                disable=cfg["quiet"] or not sys.stderr.isatty())
-
-
-def summarize(history: list[dict], setup_s: float, total_s: float, out: Path, final: str | None) -> dict:
-    if not history:
-        return {"steps": 0, "total_s": total_s, "setup_s": setup_s, "text": "done: nothing left to train"}
-    k = max(1, min(10, len(history) // 4))
-    first = sum(m["reward_mean"] for m in history[:k]) / k
-    last = sum(m["reward_mean"] for m in history[-k:]) / k
-    mismatch = sum(m.get("mismatch_abs", 0.0) for m in history) / len(history)
-    text = (f"done: {len(history)} steps in {total_s:.0f}s (setup {setup_s:.0f}s)\n"
-            f"reward: {first:.3f} (mean of first {k} steps) -> {last:.3f} (mean of last {k})\n"
-            f"engine/trainer logprob mismatch: mean |diff| {mismatch:.2e}\n"
-            f"metrics: {out / 'metrics.jsonl'}\nmodel:   {final or '(not exported)'}")
-    return {"first_reward": first, "last_reward": last, "steps": len(history),
-            "total_s": total_s, "setup_s": setup_s, "mismatch_abs": mismatch, "text": text}

@@ -188,6 +188,11 @@ class Trainer:
             from transformers import AutoImageProcessor
             self.image_processor = AutoImageProcessor.from_pretrained(cfg["model"])
             self.image_token_id = config.image_token_id
+            from PIL import Image
+            self.dummy_image = vision.to_data_uri(Image.new("RGB", (56, 56)))
+            count = vision.image_inputs(self.image_processor, [self.dummy_image])["counts"][0]
+            self.dummy_image_ids = ([config.vision_start_token_id] + [config.image_token_id] * count
+                                    + [config.vision_end_token_id])
         model = load_model(cfg["model"])
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         if cfg.get("freeze_router"):
@@ -286,7 +291,16 @@ class Trainer:
             inp = {"input_ids": batch["input_ids"][idx, c0:c1]}
             if self.image_processor is not None:  # whole rows (CP and packing are refused for VLMs)
                 images = batch.get("images") or [[] for _ in range(len(batch["input_ids"]))]
-                inp.update(vision.mm_forward_kwargs(inp["input_ids"], [images[i] for i in idx.tolist()],
+                rows_images = [images[i] for i in idx.tolist()]
+                if self.dims.dp_shard > 1 and not any(rows_images):
+                    # Every rank must run the FSDP-sharded vision blocks (their collectives): add a
+                    # row showing a blank image; _forward drops its outputs.
+                    ids, n = self.dummy_image_ids, inp["input_ids"].shape[1]
+                    row = torch.tensor((ids + [self.pad_id] * n)[:max(n, len(ids))])[None]
+                    inp["input_ids"] = torch.cat([torch.nn.functional.pad(inp["input_ids"], (0, row.shape[1] - n),
+                                                                          value=self.pad_id), row])
+                    rows_images = rows_images + [[self.dummy_image]]
+                inp.update(vision.mm_forward_kwargs(inp["input_ids"], rows_images,
                                                     self.image_processor, self.image_token_id))
             elif batch.get("images"):
                 raise ValueError("trajectories with images, but the policy has no vision tower")
@@ -305,15 +319,17 @@ class Trainer:
 
     def _forward(self, model, x: dict, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logprobs of the targets [b, T], entropy [b, T] or None) under `model`, on the grid."""
+        b, n = x["targets"].shape
         with parallel.routing(model, replay=x["replay"]):
-            logits = model(**x["inputs"]).logits.float() / self.cfg["temperature"]   # [b, n, V]
+            logits = model(**x["inputs"]).logits[:b, :n].float() / self.cfg["temperature"]   # [b, n, V]
         lp = losses.token_logprobs(logits, x["targets"])
         # Keep autograd: unpack with a differentiable scatter onto the grid.
         grid = lambda v: _scatter(v, x, self.device)
         return grid(lp), (grid(losses.entropy(logits)) if entropy else None)
 
     def _values(self, x: dict) -> torch.Tensor:
-        return _scatter(self.critic(**x["inputs"]), x, self.device)
+        b, n = x["targets"].shape
+        return _scatter(self.critic(**x["inputs"])[:b, :n], x, self.device)  # less any dummy image row
 
     @torch.no_grad()
     def compute_logprobs(self, trajectories: list[dict]) -> list[list[float]]:

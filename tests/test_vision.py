@@ -370,8 +370,10 @@ def test_chat_agent_images_are_token_exact(api, gen, trainer, vlm, hf, loop):
 
 def test_loop_trains_a_vlm_from_an_image_dataset(vlm, tmp_path):
     """main.py end to end: a JSONL dataset whose rows carry image files (`<image>` in the
-    prompt), the vision_colour agent, weight sync by broadcast; every step's engine/trainer
-    gap stays at fp32 noise; the export is a complete VLM folder."""
+    prompt; one text-only row), the vision_colour agent, two FSDP2 ranks (a micro-batch without
+    images gets a blank-image row, so both ranks run the sharded vision blocks), weight sync by
+    broadcast; every step's engine/trainer gap stays at fp32 noise; the export is a complete
+    VLM folder."""
     import json
 
     import main
@@ -382,6 +384,7 @@ def test_loop_trains_a_vlm_from_an_image_dataset(vlm, tmp_path):
         Image.new("RGB", (56, 56), rgb).save(path)
         rows.append({"question": "What colour is the picture? <image> Answer with one word.",
                      "pictures": [str(path)], "label": name})
+    rows.append({"question": "Name the colour of grass in one word.", "label": "green"})
     dataset = tmp_path / "colours.jsonl"
     dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "run"
@@ -390,6 +393,7 @@ def test_loop_trains_a_vlm_from_an_image_dataset(vlm, tmp_path):
                          "--image_key", "pictures", "--agent", str(EXAMPLES / "vision_colour.py"),
                          "--max_new_tokens", "1", "--steps", "3", "--prompts_per_step", "4",
                          "--samples_per_prompt", "4", "--mini_batches", "2", "--weight_sync", "broadcast",
+                         "--train_workers", "2", "--micro_batch_size", "2",
                          "--output_dir", str(out), "--export_hf", str(out / "final"), "--no_plot", "--quiet"])
     assert summary["steps"] == 3
     lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
@@ -434,3 +438,37 @@ def test_image_rows_are_checked_at_load(tmp_path):
         {"type": "image"}, {"type": "text", "text": "plain"}]
     with pytest.raises(ValueError, match="2 image places"):
         agents.with_images(agents._messages("a <image> b <image>"), ["x"])
+
+
+def _vlm_trajectories(vlm, tok) -> list[dict]:
+    """One long trajectory with an image, three short text-only ones (token-exact shapes)."""
+    image_tokens = vision.ImageTokens(vlm)
+    red = _uri(112, 112, (255, 0, 0))
+    reply = tok.encode(" red", add_special_tokens=False) + [tok.eos_token_id]
+    trajs = []
+    for i, (content, images) in enumerate([([{"type": "image"}, {"type": "text", "text": "Colour?"}], [red]),
+                                           ("Colour of blood?", []), ("Colour?", []), ("Sky?", [])]):
+        prompt = list(tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                              tokenize=True)["input_ids"])
+        prompt = image_tokens.expand(prompt, images) if images else prompt
+        trajs.append({"tokens": prompt + reply, "mask": [0] * len(prompt) + [1] * len(reply),
+                      "logprobs": [0.0] * len(prompt) + [-2.5] * len(reply),
+                      "versions": [-1] * len(prompt) + [0] * len(reply), "images": images,
+                      "reward": float(i % 2), "group": 0, "rollout_id": i})
+    return trajs
+
+
+def test_two_fsdp_ranks_train_a_vlm_like_one(vlm, hf, tmp_path):
+    """FSDP2 shards the vision blocks too. Rank 0 gets the image row, rank 1 only text rows:
+    rank 1's micro-batches get a blank-image row (else the ranks' collectives would differ);
+    the update equals the single-process one."""
+    from test_engine import trainer_cfg
+    from test_parallel import _compare, _run_case, _spawn
+    _, _, tok = hf
+    vision.use_cpu_shims()
+    trajs = _vlm_trajectories(vlm, tok)
+    cfg = trainer_cfg(vlm, trust_remote_code=True, lr=1e-3, mini_batches=1, micro_batch_size=1,
+                      samples_per_prompt=4)
+    _, ref_metrics, ref_state = _run_case(cfg, trajs)
+    _spawn(2, [("vlm-dp2", {**cfg, "train_workers": 2})], trajs, tmp_path)
+    _compare(torch.load(tmp_path / "vlm-dp2.pt"), ref_metrics, ref_state, "vlm-dp2")
