@@ -234,7 +234,8 @@ def summarize(history: list[dict], setup_s: float, total_s: float, out: Path, fi
     k = max(1, min(10, len(history) // 4))
     first = sum(m["reward_mean"] for m in history[:k]) / k
     last = sum(m["reward_mean"] for m in history[-k:]) / k
-    mismatch = sum(m.get("mismatch_abs", 0.0) for m in history) / len(history)
+    fresh = [m["mismatch_fresh_abs"] for m in history if "mismatch_fresh_abs" in m]  # without policy lag
+    mismatch = sum(fresh) / len(fresh) if fresh else float("nan")
     text = (f"done: {len(history)} steps in {total_s:.0f}s (setup {setup_s:.0f}s)\n"
             f"reward: {first:.3f} (mean of first {k} steps) -> {last:.3f} (mean of last {k})\n"
             f"engine/trainer logprob mismatch: mean |diff| {mismatch:.2e}\n"

@@ -428,6 +428,11 @@ class Trainer:
             "train_s": time.perf_counter() - t0,
             **{k: float(v) for k, v in is_metrics.items()},
         })
+        # Tokens sampled by exactly the trainer's pre-step weights: the numeric engine/trainer gap,
+        # without the policy lag that async and partial rollout add to mismatch_abs.
+        fresh = action & (batch["versions"] == self.version - 1)
+        if fresh.any():
+            metrics["mismatch_fresh_abs"] = (old - batch["rollout_logprobs"])[fresh].abs().mean().item()
         if self.ref is not None:
             metrics["ref_kl_k3"] = losses.kl(old, ref, "k3")[action].mean().item()
         if self.critic is not None:

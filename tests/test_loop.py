@@ -85,6 +85,7 @@ def test_async_partial_rollout_checkpoint_resume_and_replay(tiny_model, tmp_path
     lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2]
     assert lines[0]["staleness"] == 0.0 and "eval/pass@1" in lines[1]
+    assert all(m["mismatch_fresh_abs"] < 1e-4 for m in lines if "mismatch_fresh_abs" in m)
     ckpts = loop.complete_checkpoints(out)
     assert [c.name for c in ckpts] == ["step_000002"]  # retention kept the last one
     state = json.loads((ckpts[0] / "loop.json").read_text())
