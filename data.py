@@ -360,12 +360,15 @@ def first_rows(cfg: dict, agent_cls: type | None, n: int = 8) -> list[dict]:
     return [next(src) for _ in range(n)]
 
 
-def check_prompts_fit(tokenizer, rows: list[dict], max_len: int, where: str) -> None:
-    """Refuse when a rendered prompt leaves no room under --max_len."""
+def check_prompts_fit(tokenizer, rows: list[dict], max_len: int, where: str, image_tokens=None) -> None:
+    """Refuse when a rendered prompt (its images' tokens included) leaves no room under --max_len."""
+    import agent
     for i, row in enumerate(rows):
-        msgs = [{"role": "user", "content": row["prompt"]}] if isinstance(row["prompt"], str) else row["prompt"]
+        images = image_tokens.uris(row.get("images")) if image_tokens else []
+        msgs = agent.with_images(agent._messages(row["prompt"]), images)
         text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        n += sum(image_tokens.counts(images)) - len(images) if images else 0
         if n >= max_len:
             raise ValueError(f"--max_len {max_len} is too small: prompt {i} of {where} is {n} tokens with "
                              f"the chat template; raise --max_len above {n} plus room for the reply")

@@ -341,7 +341,9 @@ def validate(cfg: dict) -> dict:
          "render prompts with it (add one to tokenizer_config.json or chat_template.jinja)")
     import agent as agents
     where = cfg["dataset"] or f"the prompts of {Path(cfg['agent']).name}"
-    data.check_prompts_fit(tokenizer, data.first_rows(cfg, agents.load_agent(cfg["agent"])), cfg["max_len"], where)
+    import vision
+    data.check_prompts_fit(tokenizer, data.first_rows(cfg, agents.load_agent(cfg["agent"])), cfg["max_len"], where,
+                           vision.image_tokens(cfg["model"]))
     # end data and logging
     return cfg
 

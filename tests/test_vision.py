@@ -405,6 +405,8 @@ def test_loop_trains_a_vlm_from_an_image_dataset(vlm, tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--packing"], "--packing is not supported for vision-language models"),
     (["--train_workers", "2", "--tp_size", "2"], "train with data parallelism"),
+    # counted with its image expanded to 4 tokens (the rendered prompt has one pad)
+    (["--agent", str(EXAMPLES / "vision_colour.py"), "--max_len", "40"], "is 42 tokens"),
 ])
 def test_vlm_refuses_what_it_cannot_do(vlm, flags, message):
     import main
