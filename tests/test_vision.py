@@ -474,3 +474,53 @@ def test_two_fsdp_ranks_train_a_vlm_like_one(vlm, hf, tmp_path):
     _, ref_metrics, ref_state = _run_case(cfg, trajs)
     _spawn(2, [("vlm-dp2", {**cfg, "train_workers": 2})], trajs, tmp_path)
     _compare(torch.load(tmp_path / "vlm-dp2.pt"), ref_metrics, ref_state, "vlm-dp2")
+
+
+def test_partial_rollout_with_an_image_spans_a_weight_update(gen, trainer, vlm, hf, loop):
+    """Pause ("keep") mid-request, reload, resume: the image's encoder output is recomputed under
+    the new weights, and each token carries the logprob of the version that sampled it. (Checked
+    up to the first sampled vision token, if any: a random policy samples one now and then.)"""
+    from transformers import AutoModelForImageTextToText
+    _, processor, tok = hf
+    model = AutoModelForImageTextToText.from_pretrained(vlm, dtype=torch.float32).eval()  # not the shared one
+    image_tokens = vision.ImageTokens(vlm)
+    red = _uri(112, 112, (255, 0, 0))
+    prompt = list(tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text",
+                                          "text": "Colour?"}]}], add_generation_prompt=True, tokenize=True)["input_ids"])
+    loop.run_until_complete(gen.update_weights(trainer.weights_blob(), trainer.version))
+    old_sd = {k: v.clone() for k, v in trainer.full_state_dict().items()}
+    trainer.train_step(_env_rollouts(gen, loop, tok, image_tokens, 4, seed0=500))
+    new_sd, old_v, new_v = trainer.full_state_dict(), trainer.version - 1, trainer.version
+
+    async def scenario(seed):
+        await gen.update_weights(safetensors.torch.save(old_sd), old_v)
+        task = asyncio.create_task(gen.generate(prompt, {"temperature": TEMPERATURE, "max_tokens": 200,
+                                                        "ignore_eos": True, "seed": seed}, [red]))
+        await asyncio.sleep(0.3)
+        await gen.update_weights(trainer.weights_blob(), new_v)
+        return await task
+    gen.partial_rollout = True
+    try:
+        for seed in range(8):
+            out = loop.run_until_complete(scenario(seed))
+            cut = next((i for i, t in enumerate(out["token_ids"]) if t in image_tokens.vision_ids), 200)
+            if {old_v, new_v} <= set(out["versions"][:cut]):
+                break
+        else:
+            pytest.fail("no rollout spanned the update before sampling a vision token")
+    finally:
+        gen.partial_rollout = False
+    versions = out["versions"][:cut]
+    assert versions == sorted(versions)
+    expanded = out["prompt_ids"]
+    assert expanded == image_tokens.expand(prompt, [red])
+    ids = torch.tensor([expanded + out["token_ids"][:cut]])
+    kwargs = vision.mm_forward_kwargs(ids, [[red]], processor, PAD)
+    for sd, v in ((old_sd, old_v), (new_sd, new_v)):
+        model.load_state_dict(sd, strict=False)
+        model.tie_weights()
+        with torch.no_grad():
+            lp = torch.log_softmax(model(input_ids=ids, **kwargs).logits[0].float() / TEMPERATURE, -1)
+        ref = lp[len(expanded) - 1:-1].gather(-1, ids[0, len(expanded):, None])[:, 0]
+        mine = torch.tensor([x == v for x in versions])
+        assert torch.allclose(ref[mine], torch.tensor(out["logprobs"][:cut])[mine], atol=1e-3), v
