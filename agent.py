@@ -180,6 +180,8 @@ def with_images(messages: list[dict], images: list) -> list[dict]:
     """Messages whose image parts show `images`: a text `<image>` marks where one goes; with
     no image part or marker at all, the images go first in the first user message."""
     if not images:
+        if any(_image_parts(m["content"]) for m in messages):
+            raise ValueError("the prompt has image parts but the row has no images (--image_key)")
         return messages
     out = []
     for m in messages:

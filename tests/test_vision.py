@@ -440,6 +440,8 @@ def test_image_rows_are_checked_at_load(tmp_path):
         {"type": "image"}, {"type": "text", "text": "plain"}]
     with pytest.raises(ValueError, match="2 image places"):
         agents.with_images(agents._messages("a <image> b <image>"), ["x"])
+    with pytest.raises(ValueError, match="no images"):
+        agents.with_images([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}], [])
 
 
 def _vlm_trajectories(vlm, tok) -> list[dict]:
