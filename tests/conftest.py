@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny random-init model built once per session, offline."""
 
 import asyncio
+import gc
 import os
 import sys
 from pathlib import Path
@@ -62,3 +63,16 @@ def loop():
     loop = asyncio.new_event_loop()
     yield loop
     loop.close()
+
+
+def pytest_unconfigure(config):
+    """Engines leave ZeroMQ contexts behind (vLLM's client sockets). pytest's final gc.collect()
+    would run their __del__, whose term() waits forever for sockets nobody closes anymore (the
+    suite once hung there after all tests passed): close them, not lingering, first."""
+    zmq = sys.modules.get("zmq")
+    if zmq is None:
+        return
+    for obj in gc.get_objects():
+        if isinstance(obj, zmq.Context) and not obj.closed:
+            obj.destroy(linger=0)
+
