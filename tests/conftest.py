@@ -73,6 +73,9 @@ def pytest_unconfigure(config):
     if zmq is None:
         return
     for obj in gc.get_objects():
-        if isinstance(obj, zmq.Context) and not obj.closed:
-            obj.destroy(linger=0)
+        if type(obj).__module__.startswith("zmq") and isinstance(obj, zmq.Context) and not obj.closed:
+            try:
+                obj.destroy(linger=0)  # its sockets close first, so a later term() has nothing to wait for
+            except zmq.ZMQError:       # e.g. "Bad address" from term() of a context vLLM already tore down
+                pass
 
