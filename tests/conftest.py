@@ -4,6 +4,7 @@ import asyncio
 import gc
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -72,10 +73,12 @@ def pytest_unconfigure(config):
     zmq = sys.modules.get("zmq")
     if zmq is None:
         return
-    for obj in gc.get_objects():
-        if type(obj).__module__.startswith("zmq") and isinstance(obj, zmq.Context) and not obj.closed:
-            try:
-                obj.destroy(linger=0)  # its sockets close first, so a later term() has nothing to wait for
-            except zmq.ZMQError:       # e.g. "Bad address" from term() of a context vLLM already tore down
-                pass
+    with warnings.catch_warnings():  # isinstance() on some torch objects warns of deprecations
+        warnings.simplefilter("ignore")
+        contexts = [obj for obj in gc.get_objects() if isinstance(obj, zmq.Context) and not obj.closed]
+    for ctx in contexts:
+        try:
+            ctx.destroy(linger=0)  # its sockets close first, so a later term() has nothing to wait for
+        except zmq.ZMQError:       # e.g. "Bad address" from term() of a context vLLM already tore down
+            pass
 
