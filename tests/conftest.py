@@ -1,10 +1,8 @@
 """Shared fixtures: a tiny random-init model built once per session, offline."""
 
 import asyncio
-import gc
 import os
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -66,19 +64,22 @@ def loop():
     loop.close()
 
 
-def pytest_unconfigure(config):
-    """Engines leave ZeroMQ contexts behind (vLLM's client sockets). pytest's final gc.collect()
-    would run their __del__, whose term() waits forever for sockets nobody closes anymore (the
-    suite once hung there after all tests passed): close them, not lingering, first."""
-    zmq = sys.modules.get("zmq")
-    if zmq is None:
-        return
-    with warnings.catch_warnings():  # isinstance() on some torch objects warns of deprecations
-        warnings.simplefilter("ignore")
-        contexts = [obj for obj in gc.get_objects() if isinstance(obj, zmq.Context) and not obj.closed]
-    for ctx in contexts:
-        try:
-            ctx.destroy(linger=0)  # its sockets close first, so a later term() has nothing to wait for
-        except zmq.ZMQError:       # e.g. "Bad address" from term() of a context vLLM already tore down
-            pass
+def pytest_sessionfinish(session, exitstatus):
+    session.config._molt_exitstatus = int(exitstatus)
 
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """End the process here, with pytest's exit status, once every report is written.
+
+    Engines leave vLLM's ZeroMQ contexts and Ray's threads behind; the interpreter's own
+    teardown then runs their finalizers in whatever order gc picks. That has hung forever
+    (a context's term() waiting on sockets nobody closes) and aborted the process (libzmq's
+    "pfd.revents & POLLIN" assertion) after every test had passed. Tests shut down their own
+    engines and Ray; what is left is only finalizers, so skip them."""
+    status = getattr(config, "_molt_exitstatus", None)
+    if status is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -8,6 +8,7 @@ import asyncio
 import pytest
 import torch
 
+from fakes import tokens_out
 from generator import Generator
 from trainer import Trainer
 
@@ -111,7 +112,7 @@ def test_partial_rollout_keeps_requests_across_a_weight_update(engine, trainer, 
         async def scenario():
             task = asyncio.create_task(engine.generate(
                 prompt, {"temperature": TEMPERATURE, "max_tokens": 300, "ignore_eos": True}))
-            await asyncio.sleep(0.1)
+            await tokens_out(engine, 2)  # the first tokens come from the old weights
             await engine.update_weights(trainer.weights_blob(), trainer.version)
             return await task
         out = loop.run_until_complete(scenario())

@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 import agent as agents
+from fakes import tokens_out
 import vision
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "agents"
@@ -498,7 +499,7 @@ def test_partial_rollout_with_an_image_spans_a_weight_update(gen, trainer, vlm, 
         await gen.update_weights(safetensors.torch.save(old_sd), old_v)
         task = asyncio.create_task(gen.generate(prompt, {"temperature": TEMPERATURE, "max_tokens": 200,
                                                         "ignore_eos": True, "seed": seed}, [red]))
-        await asyncio.sleep(0.3)
+        await tokens_out(gen, 2)  # not a fixed sleep: on a loaded machine the prefill alone can take longer
         await gen.update_weights(trainer.weights_blob(), new_v)
         return await task
     gen.partial_rollout = True
