@@ -78,7 +78,7 @@ class Result:
     truncated: bool = False          # cut short (budget, turn limit)
     info: dict = field(default_factory=dict)   # scalar diagnostics, logged as means
     score: float | None = None       # for dashboards/filtering; defaults to reward
-    sampling_params: dict | None = None        # override for the next turn
+    sampling_params: dict | None = None        # next turn: max_tokens, stop_token_ids, seed (not temperature/top_p/top_k)
     images: list | None = None       # shown with the observation next turn (Env; VLMs): paths, data URIs, PIL
 
 
@@ -321,11 +321,24 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
         traj.add(obs_ids, False)
         traj.images += new_images
         messages.append({"role": "user", "content": content})
-        params = {**params, **(result.sampling_params or {})}
+        params = {**params, **_override(params, result.sampling_params)}
     traj.score = sum(scores)
     traj.info.update({k: float(v) for k, v in info.items()})
     traj.info["turns"] = float(len(scores))
     return traj
+
+
+def _override(params: dict, new: dict | None) -> dict:
+    """An Env's sampling override for its next turn. The trainer scores every token with the
+    run's --temperature and the full softmax, so keys that change the sampling distribution
+    are refused; max_tokens, stop_token_ids, seed, ignore_eos are free."""
+    changed = sorted(k for k in ("temperature", "top_p", "top_k") if k in (new or {})
+                     and new[k] != params.get(k, {"top_p": 1.0, "top_k": -1}.get(k)))
+    if changed:
+        raise ValueError(f"Result.sampling_params may not change {changed}: the trainer scores tokens with "
+                         "the run's --temperature and the full distribution, so the IS weights and the "
+                         "policy gradient would be wrong; set --temperature / --top_p for the whole run")
+    return new or {}
 
 
 def _no_images(images: Any) -> list:

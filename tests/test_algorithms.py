@@ -53,3 +53,135 @@ def test_train_step_runs_and_reports_finite_metrics(tiny_model, overrides):
         assert "kl_loss" in metrics and "ref_kl_k3" in metrics
     if overrides.get("loss_agg") == "seq_mean_token_mean":
         assert "entropy_loss" in metrics
+
+
+# ---------------------------------------------------------------- the training signal itself
+# Plain SGD and no clipping (Adam and grad clipping hide a gradient's scale), so a weight
+# update is exactly -lr * gradient and can be checked against what the flags say.
+
+SIGNED = [name for name in estimators.ESTIMATORS if name != "on_policy_distill"]  # signed advantages from rewards
+REWARDS = [1.0, -1.0, 0.5, -0.5]  # every estimator's advantage has the reward's sign (group mean 0)
+
+
+def _signal_trajectories(trainer=None, ratios=None):
+    """2 groups x 4 rollouts of 2 sampled tokens (distinct per rollout). Sampling logprobs are
+    the trainer's own (IS ratio 1) unless `ratios` {row: ratio} says otherwise."""
+    trajs = []
+    for g in range(2):
+        for i in range(4):
+            prompt, reply = [2, 8 + g, 15, 12, 16, 0, 3], [5 + 8 * g + i, 9 + 8 * g + i]
+            trajs.append({"tokens": prompt + reply, "mask": [0] * len(prompt) + [1] * len(reply),
+                          "logprobs": [0.0] * (len(prompt) + len(reply)),
+                          "versions": [-1] * len(prompt) + [0] * len(reply),
+                          "reward": REWARDS[i] * (1 if g == 0 else -1), "group": g, "rollout_id": i})
+    if trainer is not None:
+        for t, lp in zip(trajs, trainer.compute_logprobs(trajs)):
+            shift = math.log((ratios or {}).get(trajs.index(t), 1.0))
+            t["logprobs"] = [0.0] + [x - shift if m else 0.0 for x, m in zip(lp, t["mask"][1:])]
+    return trajs
+
+
+def _sgd_trainer(model, lr=0.01, **overrides):
+    import torch
+    t = Trainer(trainer_cfg(model, mini_batches=1, grad_clip=1e9, **overrides))
+    t.optimizer = torch.optim.SGD([p for p in t.model.parameters() if p.requires_grad], lr=lr)
+    return t
+
+
+def _flat(state):
+    import torch
+    return torch.cat([v.flatten().float() for _, v in sorted(state.items())])
+
+
+def _sampled(trainer, trajs):
+    return [[lp for lp, m in zip(row, t["mask"][1:]) if m] for row, t in zip(trainer.compute_logprobs(trajs), trajs)]
+
+
+@pytest.mark.parametrize("loss", ["ppo", "gspo", "cispo"])
+@pytest.mark.parametrize("estimator", SIGNED)
+def test_one_sgd_step_moves_logprobs_with_the_advantage(tiny_model, estimator, loss):
+    """Sampled tokens of positive-advantage rollouts gain log-probability, those of negative ones
+    lose it: a flipped sign anywhere between reward and update fails this."""
+    t = _sgd_trainer(tiny_model, estimator=estimator, loss=loss)
+    trajs = _signal_trajectories(t)
+    before = _sampled(t, trajs)
+    t.train_step(trajs)
+    after = _sampled(t, trajs)
+    for tr, b, a in zip(trajs, before, after):
+        for x, y in zip(b, a):
+            assert (y - x) * tr["reward"] > 1e-4, (tr["reward"], x, y)
+
+
+def test_is_mask_zeroes_out_of_band_tokens_and_weights_in_band_ones_by_their_ratio(tiny_model):
+    """--is_mode mask (IcePop): a token whose ratio is outside --is_band adds no gradient; one
+    inside adds its gradient times its ratio. SGD makes the update linear in those weights."""
+    flags = {"is_level": "token", "is_mode": "mask", "is_band": [0.5, 2.0]}
+    start = _flat(_sgd_trainer(tiny_model, **flags).full_state_dict())
+    deltas = {}
+    for name, ratios in (("all in", {}), ("row 0 out", {0: 4.0}), ("row 0 at 0.8", {0: 0.8})):
+        t = _sgd_trainer(tiny_model, **flags)
+        metrics = t.train_step(_signal_trajectories(t, ratios))
+        deltas[name] = _flat(t.full_state_dict()) - start
+    row0 = deltas["all in"] - deltas["row 0 out"]        # row 0's contribution at weight 1
+    assert row0.norm() > 0.05 * deltas["all in"].norm(), "an out-of-band token must lose its gradient"
+    in_band = deltas["row 0 at 0.8"] - deltas["row 0 out"]
+    assert (in_band - 0.8 * row0).norm() < 1e-3 * row0.norm(), "an in-band token's gradient is scaled by its ratio"
+    assert metrics["is_weight_mean"] == pytest.approx((0.8 * 2 + 14) / 16, abs=1e-4)
+
+
+def _two_epochs(model, loss, eps, epochs):
+    t = _sgd_trainer(model, loss=loss, eps_clip=eps, ppo_epochs=epochs)
+    t.train_step(_signal_trajectories(t))
+    return _flat(t.full_state_dict())
+
+
+def test_each_policy_loss_gives_its_own_gradient(tiny_model):
+    """In a second pass over the batch the ratios are no longer 1 and the losses part ways.
+    Tight band: every token moved past it in the first pass, so PPO's second pass has zero
+    gradient while CISPO's (clipped weight x logprob) still moves. Wide band: nothing clips,
+    so PPO equals CISPO (ratio x A x grad logprob), and GSPO (the row's ratio) differs."""
+    tight, wide = [1e-4, 1e-4], [0.99, 100.0]
+    ppo1, ppo2 = _two_epochs(tiny_model, "ppo", tight, 1), _two_epochs(tiny_model, "ppo", tight, 2)
+    assert (ppo2 - ppo1).abs().max() == 0, "PPO: clipped tokens give no gradient"
+    cispo1, cispo2 = _two_epochs(tiny_model, "cispo", tight, 1), _two_epochs(tiny_model, "cispo", tight, 2)
+    assert torch_allclose(ppo1, cispo1), "at ratio 1 (first pass) the losses agree"
+    assert (cispo2 - cispo1).norm() > 0.1 * (cispo1 - _start(tiny_model)).norm(), "CISPO keeps clipped tokens' gradient"
+    ppo, cispo, gspo = (_two_epochs(tiny_model, loss, wide, 2) for loss in ("ppo", "cispo", "gspo"))
+    assert torch_allclose(ppo, cispo)
+    assert (gspo - ppo).norm() > 1e-3 * (ppo - _start(tiny_model)).norm(), "GSPO weights a row by its sequence ratio"
+
+
+def _start(model):
+    return _flat(Trainer(trainer_cfg(model)).full_state_dict())
+
+
+def torch_allclose(a, b):
+    return bool((a - b).abs().max() < 1e-6)
+
+
+@pytest.mark.parametrize("estimator", ["k2", "k3"])
+def test_kl_loss_moves_the_policy_toward_the_reference(tiny_model, tmp_path_factory, estimator):
+    """All rewards equal (GRPO advantages 0): the only gradient is --kl_loss, and one SGD step
+    lowers the sampled tokens' KL estimate to a different reference model."""
+    import trainer as trainer_mod
+    ref = trainer_mod.build_tiny_model(str(tmp_path_factory.mktemp("ref") / "tiny-seed1"), seed=1)
+    t = _sgd_trainer(tiny_model, lr=0.05, kl_coef=1.0, kl_loss=True, kl_estimator=estimator, ref_model=ref)
+    trajs = [{**tr, "reward": 1.0} for tr in _signal_trajectories(t)]
+    ref_lp = _sampled(Trainer(trainer_cfg(ref)), trajs)
+    import torch
+    from losses import kl
+    est = lambda lp: float(kl(torch.tensor(lp), torch.tensor(ref_lp), estimator).sum())
+    before = est(_sampled(t, trajs))
+    metrics = t.train_step(trajs)
+    assert metrics["kl_loss"] > 0 and metrics["advantage_abs"] == 0
+    assert est(_sampled(t, trajs)) < 0.95 * before
+
+
+def test_mini_batches_are_exactly_the_asked_number(tiny_model):
+    """9 rollouts (some were dropped) and --mini_batches 4: four optimizer steps, not
+    torch.chunk's three; fewer rollouts than mini-batches is an error, not empty steps."""
+    t = Trainer(trainer_cfg(tiny_model, mini_batches=4))
+    trajs = _trajectories(n_groups=3, group_size=3)
+    assert t.train_step(trajs)["optimizer_steps"] == 4
+    with pytest.raises(ValueError, match="3 trajectories cannot make --mini_batches 4"):
+        t.train_step(trajs[:3])

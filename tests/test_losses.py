@@ -108,17 +108,21 @@ def test_gspo_sequence_ratio_and_token_gradient():
 
 # ---------------------------------------------------------------- CISPO
 
-def test_cispo_gradient_only_through_logprobs():
+@pytest.mark.parametrize("eps_low, w, clipped", [
+    (None, [1.2, 0.5, 1.1], 1),   # MiniMax-M1: only the upper bound 1 + eps_high
+    (0.2, [1.2, 0.8, 1.1], 2),    # asked for: both bounds
+])
+def test_cispo_gradient_only_through_logprobs(eps_low, w, clipped):
     old = [-1.0, -2.0, -0.5, -3.0]
     ratios = [1.5, 0.5, 1.1, 30.0]
     lp = [o + LN(r) for o, r in zip(old, ratios)]
     adv, mask = [1.0, -1.0, 2.0, 0.5], [1, 1, 1, 0]
-    loss, grad, m = grad_of("cispo", [lp], [old], [adv], [mask])
-    w = [1.2, 0.8, 1.1]  # clip(ratio, 0.8, 1.2), treated as a constant
+    loss, grad, m = grad_of("cispo", [lp], [old], [adv], [mask], eps_low=eps_low)
+    # w = the clipped ratio, treated as a constant
     close(loss, [[-w[0] * 1.0 * lp[0], -w[1] * -1.0 * lp[1], -w[2] * 2.0 * lp[2], 0.0]])
     # If the ratio carried gradient, extra terms -w A logp would appear here.
-    close(grad, [[-1.2 / 3, 0.8 / 3, -2.2 / 3, 0.0]])
-    close(m["clip_frac"], 2 / 3)
+    close(grad, [[-w[0] / 3, w[1] / 3, -2 * w[2] / 3, 0.0]])
+    close(m["clip_frac"], clipped / 3)
     close(m["ratio_mean"], (1.5 + 0.5 + 1.1) / 3)
 
 
@@ -130,7 +134,8 @@ def test_masked_positions_zero_even_with_inf(kind):
     lp = leaf([[-0.5, -inf, -1.0, -inf], [-0.2, -0.4, 60.0, -inf]])
     old = t([[-0.7, -inf, -1.1, 0.0], [-0.3, -0.1, -60.0, -inf]])
     mask = t([[1, 0, 1, 0], [1, 1, 0, 0]])
-    loss, m = policy_loss(kind, lp, old, t([[1.0, 5.0, -1.0, 5.0], [0.5, -0.5, 5.0, 5.0]]), mask, dual_clip=3.0)
+    loss, m = policy_loss(kind, lp, old, t([[1.0, 5.0, -1.0, 5.0], [0.5, -0.5, 5.0, 5.0]]), mask,
+                          dual_clip=None if kind == "cispo" else 3.0)
     aggregate(loss, mask, "seq_mean_token_mean").backward()
     assert torch.isfinite(loss).all() and torch.isfinite(lp.grad).all()
     assert (loss[mask == 0] == 0).all() and (lp.grad[mask == 0] == 0).all()
@@ -150,6 +155,10 @@ def test_policy_loss_errors():
         policy_loss("sapo", x, x, x, x)
     with pytest.raises(ValueError, match="dual_clip must be > 1"):
         policy_loss("ppo", x, x, x, x, dual_clip=0.5)
+    with pytest.raises(ValueError, match="cispo has none to cap"):
+        policy_loss("cispo", x, x, x, x, dual_clip=3.0)
+    with pytest.raises(ValueError, match="ppo needs eps_low"):
+        policy_loss("ppo", x, x, x, x, eps_low=None)
 
 
 # ---------------------------------------------------------------- aggregation
@@ -260,12 +269,17 @@ def _is(level, mode):
 
 @pytest.mark.parametrize("level,mode,weights,filtered", [
     ("off", "mask", [[1, 1, 1, 0], [1, 0, 1, 0]], 0.0),
-    ("token", "mask", [[0, 0, 1, 0], [1, 0, 0, 0]], 3 / 5),
+    # mask (IcePop) keeps the ratio where the gate passes; reject gives 1 there.
+    ("token", "mask", [[0, 0, 1, 0], [1.5, 0, 0, 0]], 3 / 5),
+    ("token", "reject", [[0, 0, 1, 0], [1, 0, 0, 0]], 3 / 5),
     ("token", "clip", [[1.8, 0.6, 1, 0], [1.5, 0, 0.6, 0]], 3 / 5),
     ("token", "trunc", [[1.8, 0.5, 1, 0], [1.5, 0, 0.25, 0]], 1 / 5),
     # seq: products 1 (accept) and 0.375 (reject); geo: 1 and sqrt(0.375) = 0.612 (both accepted).
-    ("seq", "mask", [[1, 1, 1, 0], [0, 0, 0, 0]], 2 / 5),
-    ("geo", "mask", [[1, 1, 1, 0], [1, 0, 1, 0]], 0.0),
+    # The gate is per row; an accepted row keeps each token's own ratio under mask.
+    ("seq", "mask", [[2, 0.5, 1, 0], [0, 0, 0, 0]], 2 / 5),
+    ("seq", "reject", [[1, 1, 1, 0], [0, 0, 0, 0]], 2 / 5),
+    ("geo", "mask", [[2, 0.5, 1, 0], [1.5, 0, 0.25, 0]], 0.0),
+    ("geo", "reject", [[1, 1, 1, 0], [1, 0, 1, 0]], 0.0),
 ])
 def test_is_weights(level, mode, weights, filtered):
     w, m = _is(level, mode)
@@ -283,7 +297,7 @@ def test_is_weights_detached_and_errors():
     assert not w.requires_grad
     for level in ("seq", "geo"):
         for mode in ("clip", "trunc"):
-            with pytest.raises(ValueError, match="needs mode='mask'"):
+            with pytest.raises(ValueError, match="needs mode 'mask' or 'reject'"):
                 _is(level, mode)
     with pytest.raises(ValueError, match="unknown IS level"):
         _is("row", "mask")
@@ -291,16 +305,16 @@ def test_is_weights_detached_and_errors():
         _is("token", "drop")
     with pytest.raises(ValueError, match="low <= high"):
         is_weights(OLD, ROLL, IS_MASK, level="token", mode="mask", low=2.0, high=1.0)
-    assert IS_LEVELS == ("off", "token", "seq", "geo") and IS_MODES == ("mask", "clip", "trunc")
+    assert IS_LEVELS == ("off", "token", "seq", "geo") and IS_MODES == ("mask", "reject", "clip", "trunc")
 
 
 def test_is_seq_long_sequence_does_not_overflow():
     # Summed log-ratio 100 * 0.5 = 50, i.e. ratio e^50 > high = 1e10 -> reject. A clamped
     # exp(min(50, 20)) = 4.9e8 would wrongly pass; the comparison must happen in log space.
     args = (torch.full((1, 100), 0.5), torch.zeros(1, 100), torch.ones(1, 100))
-    w, _ = is_weights(*args, level="seq", mode="mask", low=0.0, high=1e10)
+    w, _ = is_weights(*args, level="seq", mode="reject", low=0.0, high=1e10)
     assert (w == 0).all()
-    w, _ = is_weights(*args, level="seq", mode="mask", low=0.0, high=1e30)
+    w, _ = is_weights(*args, level="seq", mode="reject", low=0.0, high=1e30)
     assert (w == 1).all()
 
 
@@ -348,3 +362,45 @@ def test_token_logprobs():
     torch.testing.assert_close(a.grad, b.grad)
     with pytest.raises(ValueError, match="temperature"):
         token_logprobs(z, tokens, temperature=0.0)
+
+
+# ---------------------------------------------------------------- where each KL estimator goes
+
+def _kl_grads(theta, ref):
+    """Exact expected gradients (enumerating a categorical policy softmax(theta)) of each
+    estimator in each placement, and the gradients of the two KLs."""
+    def grad(f):
+        th = theta.clone().requires_grad_(True)
+        logp = torch.log_softmax(th, -1)
+        return torch.autograd.grad(f(logp, logp.exp().detach()), th)[0]
+    out = {"KL(pi||ref)": grad(lambda lp, p: (lp.exp() * (lp - ref)).sum()),
+           "KL(ref||pi)": grad(lambda lp, p: (ref.exp() * (ref - lp)).sum())}
+    for est in ("k1", "k2", "k3"):
+        # reward: the policy gradient of the penalty, E_pi[grad log pi * k] (k a constant);
+        # loss: grad E_pi[k] with the samples fixed (the gradient flows through log pi in k).
+        out["reward", est] = grad(lambda lp, p: (p * lp * kl(lp, ref, est).detach()).sum())
+        out["loss", est] = grad(lambda lp, p: (p * kl(lp, ref, est)).sum())
+    return out
+
+
+def test_kl_placements_follow_the_kl_gradient():
+    """Every (placement, estimator) that main.validate accepts has the gradient of the KL it
+    claims (cosine > 0.99); every refused one points elsewhere (or nowhere, k1 as a loss)."""
+    from losses import KL_ESTIMATORS, KL_PLACEMENTS
+    cos = torch.nn.functional.cosine_similarity
+    g = torch.Generator().manual_seed(0)
+    closest = {}  # refused pair -> its best cosine with either KL, per random policy
+    for _ in range(20):
+        theta, ref = torch.randn(6, generator=g) * 1.5, torch.log_softmax(torch.randn(6, generator=g) * 1.5, -1)
+        grads = _kl_grads(theta, ref)
+        for where in ("reward", "loss"):
+            for est in KL_ESTIMATORS:
+                v = grads[where, est]
+                if est in KL_PLACEMENTS[where]:
+                    assert cos(v, grads[KL_PLACEMENTS[where][est]], 0) > 0.99, (where, est)
+                else:
+                    best = 0.0 if v.norm() < 1e-6 else max(float(cos(v, grads[k], 0)) for k in ("KL(pi||ref)", "KL(ref||pi)"))
+                    closest.setdefault((where, est), []).append(best)
+    assert set(closest) == {("reward", "k2"), ("reward", "k3"), ("loss", "k1")}
+    for pair, best in closest.items():  # k1 as a loss: no gradient; k2/k3 in the reward: some policy sees them point away
+        assert min(best) < 0.5, pair

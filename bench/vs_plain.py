@@ -1,0 +1,163 @@
+"""Our loop against a plain sequential RL trainer on the same machine, one run.
+
+The plain trainer is what a person writes first: each step, one batched
+`transformers.generate` of the step's prompts (sampling, with the sampled tokens'
+logprobs), the agent's reward, then our own `Trainer.train_step` in this process (no
+Ray, no vLLM, no weight sync: the policy generates with its own weights). Ours is
+`main.py` with the same flags: Ray + vLLM + the FSDP2 trainer actor. Both use the same
+prompts, lengths, samples and optimizer settings; the ratios compare them, and only
+the ratios mean anything across machines.
+
+    python bench/vs_plain.py                       # default task, tiny model, 32 x 16
+    python bench/vs_plain.py --workload smollm2    # SmolLM2-135M fp32, chain_sum, 8 x 4
+    python bench/vs_plain.py --steps 8 --warmup 2
+
+Prints s/step (median after warm-up) with its phases, set-up time before step 1 and the
+peak memory (RSS summed over the run's processes, sampled every 0.2 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+WORKLOADS = {
+    "default": [],  # main.py's defaults: tiny model, max_digit, 32 x 16, 3 new tokens, 4 mini-batches
+    "smollm2": ["--model", "smollm2", "--agent", "examples/recipes/smollm2_agent.py",
+                "--dataset", "reasoning-gym:chain_sum:min_terms=2,max_terms=2,max_digits=1",
+                "--prompts_per_step", "8", "--samples_per_prompt", "4", "--max_new_tokens", "24",
+                "--max_len", "256", "--temperature", "0.7", "--lr", "1e-5", "--mini_batches", "2",
+                "--param_dtype", "float32"],
+}
+COMMON = ["--quiet", "--export_hf", "none", "--no_plot", "--train_threads", "1"]
+
+
+class PeakMemory:
+    """Peak of the summed RSS of this process and all its descendants (Ray, engines, ranks)."""
+
+    def __init__(self):
+        import psutil
+        self.me, self.peak, self.stop = psutil.Process(), 0, threading.Event()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self):
+        import psutil
+        while not self.stop.wait(0.2):
+            total = 0
+            for p in [self.me, *self.me.children(recursive=True)]:
+                try:
+                    total += p.memory_info().rss
+                except psutil.Error:
+                    pass
+            self.peak = max(self.peak, total)
+
+    def done(self) -> float:
+        self.stop.set()
+        return self.peak / 2**30
+
+
+def plain(argv: list[str], steps: int) -> dict:
+    """The plain loop: HF generate -> reward -> Trainer.train_step, all in this process."""
+    import torch
+    import agent as agents
+    import data
+    import main
+    from trainer import Trainer
+
+    mem = PeakMemory()
+    t0 = time.perf_counter()
+    cfg = main.validate(vars(main.build_parser().parse_args(argv)))
+    torch.set_num_threads(1)
+    trainer = Trainer(cfg)
+    tok = trainer.tokenizer
+    env_cls = agents.load_agent(cfg["agent"])
+    rows = data.prompt_source(cfg, env_cls)
+    P, S, T = cfg["prompts_per_step"], cfg["samples_per_prompt"], cfg["temperature"]
+    setup = time.perf_counter() - t0
+    times = []
+    for step in range(steps):
+        t_gen = time.perf_counter()
+        batch = [next(rows) for _ in range(P)]
+        prompts = [tok.apply_chat_template(agents._messages(r["prompt"]), add_generation_prompt=True,
+                                           tokenize=True)["input_ids"] for r in batch]
+        width = max(map(len, prompts))
+        pad = tok.pad_token_id
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts]).repeat_interleave(S, 0)
+        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]).repeat_interleave(S, 0)
+        trainer.model.eval()
+        with torch.no_grad():
+            out = trainer.model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=T,
+                                         top_k=0, top_p=1.0, max_new_tokens=cfg["max_new_tokens"],
+                                         output_logits=True, return_dict_in_generate=True, pad_token_id=pad)
+        logp = torch.stack(out.logits, 1).float().div(T).log_softmax(-1)              # [B, n, V]
+        new = out.sequences[:, width:]                                                 # [B, n]
+        lps = logp.gather(-1, new[..., None])[..., 0]
+        trajs = []
+        for i in range(len(new)):
+            row, prompt = batch[i // S], prompts[i // S]
+            reply = new[i].tolist()
+            n = reply.index(tok.eos_token_id) + 1 if tok.eos_token_id in reply else len(reply)
+            action = agents.decode_reply(tok, reply[:n])
+            state = agents.State(prompt=row["prompt"], label=row.get("label"), action=action, observation=None,
+                                 messages=[], turn=0, sampling_params={}, row=row,
+                                 finish_reason="stop" if n < len(reply) or reply[n - 1] == tok.eos_token_id
+                                 else "length")
+            reward = asyncio.run(env_cls().step(state)).reward
+            trajs.append({"tokens": prompt + reply[:n], "mask": [0] * len(prompt) + [1] * n,
+                          "logprobs": [0.0] * len(prompt) + lps[i, :n].tolist(),
+                          "versions": [-1] * len(prompt) + [trainer.version] * n, "reward": float(reward),
+                          "group": step * P + i // S, "rollout_id": i})
+        gen_s = time.perf_counter() - t_gen
+        m = trainer.train_step(trajs)
+        times.append({"step_s": time.perf_counter() - t_gen, "gen_s": gen_s, "train_s": m["train_s"],
+                      "reward": m.get("reward_mean", sum(t["reward"] for t in trajs) / len(trajs))})
+    return {"setup_s": setup, "steps": times, "peak_gib": mem.done()}
+
+
+def ours(argv: list[str], steps: int, out: Path) -> dict:
+    import main
+    mem = PeakMemory()
+    summary = main.main([*argv, "--steps", str(steps), "--output_dir", str(out)])
+    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    return {"setup_s": summary["setup_s"], "peak_gib": mem.done(),
+            "steps": [{"step_s": m["step_s"], "gen_s": m["wait_rollouts_s"], "train_s": m["train_s"],
+                       "sync_s": m.get("weight_sync_s", 0.0), "reward": m["reward_mean"]} for m in lines]}
+
+
+def med(rows: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="default")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3, help="first steps left out of the medians")
+    args = ap.parse_args()
+    argv = [*WORKLOADS[args.workload], *COMMON]
+    b = plain(argv, args.steps)
+    a = ours(argv, args.steps, Path(tempfile.mkdtemp(prefix="bench_vs_plain_")) / "run")
+    print(f"workload {args.workload}: {' '.join(WORKLOADS[args.workload]) or 'main.py defaults'}")
+    print(f"{'':8} {'s/step':>8} {'generate':>9} {'train':>7} {'sync':>6} {'setup s':>8} {'peak GiB':>9}")
+    for name, r in (("plain", b), ("ours", a)):
+        s = r["steps"][args.warmup:]
+        print(f"{name:8} {med(s, 'step_s'):8.3f} {med(s, 'gen_s'):9.3f} {med(s, 'train_s'):7.3f} "
+              f"{med(s, 'sync_s') if 'sync_s' in s[0] else 0.0:6.3f} {r['setup_s']:8.1f} {r['peak_gib']:9.2f}")
+    sa, sb = a["steps"][args.warmup:], b["steps"][args.warmup:]
+    print(f"ours / plain: step {med(sa, 'step_s') / med(sb, 'step_s'):.2f} (goal <= 0.7), "
+          f"generation {med(sa, 'gen_s') / med(sb, 'gen_s'):.2f} (goal <= 3), "
+          f"set-up {a['setup_s'] / max(b['setup_s'], 1e-9):.1f}, peak memory {a['peak_gib'] / b['peak_gib']:.2f} (goal <= 2)")
+    print(f"reward, mean of the last {len(sa)} steps: plain {statistics.mean(r['reward'] for r in sb):.3f}, "
+          f"ours {statistics.mean(r['reward'] for r in sa):.3f}")
