@@ -21,6 +21,12 @@ try:
     import hypothesis.internal.observability  # noqa: F401
 except ImportError:
     pass
+# The same CPython 3.11.7 bug hit pydantic's docstring parsing when wandb's Settings class was
+# first built while the loop and fault tests' threads were alive: build it up front, here.
+try:
+    import wandb.sdk.wandb_settings  # noqa: F401
+except ImportError:
+    pass
 
 
 @pytest.fixture(scope="session")
