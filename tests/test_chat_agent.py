@@ -17,7 +17,8 @@ import pytest
 
 import agent as agents
 from _smollm import smol_tokenizer
-from agent import ChatAgent, ChatServer, Result
+from agent import ChatAgent, Result
+from server import ChatServer
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "agents"
 SAMPLING = {"temperature": 1.0, "max_tokens": 4}
@@ -353,7 +354,6 @@ def test_bad_requests_get_4xx_json_and_the_server_lives_on(server, loop, tiny_to
             got["bad role"] = await _post(http, oa, {"messages": [{"role": "robot", "content": "1"}]})
             got["image"] = await _post(http, oa, {"messages": [{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": "data:"}}]}]})
-            got["stream"] = await _post(http, oa, {"messages": msg, "stream": True})
             got["n"] = await _post(http, oa, {"messages": msg, "n": 2})
             got["max_tokens 0"] = await _post(http, oa, {"messages": msg, "max_tokens": 0})
             got["anthropic no max_tokens"] = await _post(http, an, {"messages": msg})
@@ -362,8 +362,8 @@ def test_bad_requests_get_4xx_json_and_the_server_lives_on(server, loop, tiny_to
             got["wrong path"] = await _post(http, server.url + f"/s/{s.id}/v1/v1/messages", {"messages": msg})
             got["good"] = await _post(http, oa, {"messages": msg})
         async with openai.AsyncOpenAI(base_url=s.base_url, api_key="k", max_retries=0) as client:
-            with pytest.raises(openai.BadRequestError, match="stream"):
-                await client.chat.completions.create(model="m", messages=msg, stream=True)
+            with pytest.raises(openai.BadRequestError, match="n > 1 is not supported"):
+                await client.chat.completions.create(model="m", messages=msg, n=3)
         async with openai.AsyncOpenAI(base_url=server.url + "/s/nope/v1", api_key="k", max_retries=0) as client:
             with pytest.raises(openai.NotFoundError, match="no open session"):
                 await client.chat.completions.create(model="m", messages=msg)
@@ -371,7 +371,7 @@ def test_bad_requests_get_4xx_json_and_the_server_lives_on(server, loop, tiny_to
     got, segs = loop.run_until_complete(go())
     statuses = {k: status for k, (status, _) in got.items()}
     assert statuses == {"unknown session": 404, "unknown session anthropic": 404, "not json": 400,
-                        "not an object": 400, "no messages": 400, "bad role": 400, "image": 400, "stream": 400,
+                        "not an object": 400, "no messages": 400, "bad role": 400, "image": 400,
                         "n": 400, "max_tokens 0": 400, "anthropic no max_tokens": 400,
                         "anthropic bad block": 400, "wrong path": 404, "good": 200}
     for name, (status, body) in got.items():
