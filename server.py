@@ -58,7 +58,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent import (Generate, PrefixRewrite, Trajectory, _encode, _render, _sample, decode_reply, delta_ids)
+from agent import Generate, PrefixRewrite, Trajectory, _encode, _render, _sample, decode_reply, delta_ids
 
 log = logging.getLogger("molt")
 MAX_BODY = 64 * 2**20   # long conversations with images exceed aiohttp's 1 MiB default

@@ -8,16 +8,21 @@ engine's behaviour matters; the fake engine (tests/fakes.py) where a test needs 
 
 import json
 import random
+from pathlib import Path
 
 import aiohttp
 import anthropic
 import openai
 import pytest
 
+import agent as agents
+import main
 import server as srv
 from _smollm import smol_tokenizer
 from agent import decode_reply
 from fakes import Recorder, check_token_exact, fake, ids
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "agents"
 
 SAMPLING = {"temperature": 1.0, "max_tokens": 8, "seed": 5}   # seeded: a request's sample is repeatable
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers",
@@ -31,7 +36,7 @@ def engine(tiny_model, loop):
     from generator import Generator
 
     async def make():
-        return Generator(tiny_model, max_len=256, seed=0)
+        return Generator(tiny_model, max_len=1024, seed=0)   # room for the examples' tool prompts
     gen = loop.run_until_complete(make())
     yield gen
     gen.shutdown()
@@ -484,3 +489,46 @@ def test_fuzzed_requests_never_get_a_5xx_and_the_server_answers_after(server, lo
             assert body["error"]["message"] if "messages" not in path else body["type"] == "error"
     assert big[0] == 413 and "limit" in big[1]["error"]["message"]
     assert models == 200 and good.choices[0].message.content == "7"
+
+
+# ----------------------------------------------------------- agent frameworks from PyPI, unchanged
+
+
+@pytest.mark.parametrize("file", ["openai_agents_sdk.py", "langchain_tools.py"])
+def test_framework_agents_call_tools_in_one_trace(server, loop, file):
+    """The OpenAI Agents SDK (Responses API, a streamed run, history re-sent by the SDK) and
+    LangChain (streamed chat completions): a tool call, its result, an answer, a follow-up."""
+    tok = smol_tokenizer()
+    rec = fake(tok, ["Let me see. " + CALL.replace("add", "larger").replace('"a": 2, "b": 3', '"a": 3, "b": 7'),
+                     "7", "9"])
+    cls = agents.load_agent(str(EXAMPLES / file))
+    row = {"prompt": "3?7=", "label": {"follow_up": "?9=", "answer": "9"}}
+    segs = loop.run_until_complete(agents.run_chat_agent(cls(), row, rec, tok, server, max_len=4096,
+                                                         sampling={"temperature": 1.0, "max_tokens": 64}))
+    assert len(segs) == 1 and segs[0].reward == 1.0 and segs[0].info["requests"] == 3
+    check_token_exact(segs, rec.calls)
+    text = tok.decode(segs[0].tokens)
+    assert text.endswith("</tool_call><|im_end|>\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n7<|im_end|>"
+                         "\n<|im_start|>user\n?9=<|im_end|>\n<|im_start|>assistant\n9<|im_end|>")
+
+
+@pytest.mark.parametrize("file", ["openai_agents_sdk.py", "langchain_tools.py", "chat_anthropic_stream.py"])
+def test_framework_examples_run_on_vllm(engine, server, loop, tiny_tokenizer, file):
+    cls = agents.load_agent(str(EXAMPLES / file))
+    rows = cls.prompts(0)
+    for row in [next(rows) for _ in range(2)]:
+        rec = Recorder(engine.generate)
+        segs = loop.run_until_complete(agents.run_chat_agent(cls(), row, rec, tiny_tokenizer, server, max_len=768,
+                                                             sampling={"temperature": 1.0, "max_tokens": 4}))
+        assert segs[0].reward in (0.0, 1.0) and len(rec.calls) >= 2
+        check_token_exact(segs, rec.calls)
+
+
+def test_openai_agents_sdk_example_trains_through_main(tiny_model, tmp_path):
+    out = tmp_path / "run"
+    summary = main.main(["--model", tiny_model, "--agent", str(EXAMPLES / "openai_agents_sdk.py"), "--steps", "2",
+                         "--prompts_per_step", "2", "--samples_per_prompt", "2", "--max_new_tokens", "3",
+                         "--max_len", "768", "--output_dir", str(out), "--quiet"])
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert summary["steps"] == 2 and [m["step"] for m in lines] == [1, 2]
+    assert all(m["rollouts"] == 4 and not any(k.startswith("dropped/") and v for k, v in m.items()) for m in lines)
