@@ -520,7 +520,7 @@ def test_framework_examples_run_on_vllm(engine, server, loop, tiny_tokenizer, fi
         rec = Recorder(engine.generate)
         segs = loop.run_until_complete(agents.run_chat_agent(cls(), row, rec, tiny_tokenizer, server, max_len=768,
                                                              sampling={"temperature": 1.0, "max_tokens": 4}))
-        assert segs[0].reward in (0.0, 1.0) and len(rec.calls) >= 2
+        assert segs[0].reward in (0.0, 1.0) and len(rec.calls) >= (1 if "cut_off" in segs[0].info else 2)
         check_token_exact(segs, rec.calls)
 
 

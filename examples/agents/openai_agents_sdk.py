@@ -5,8 +5,9 @@ The SDK talks the Responses API (`POST /v1/responses`) to the loopback server at
 "a?b=" (the larger digit; the model may call `larger` for it), then a second run
 on the first run's items plus "?c=" (the larger of that answer and c), which the
 SDK re-sends as history; the server recognises it and extends the same
-token-exact trace. The reward is 1 if the final answer is max(a, b, c). Tracing is
-off: runs are offline. On the tiny default model the tool prompt is long (its
+token-exact trace. The reward is 1 if the final answer is max(a, b, c); a reply cut
+off by `--max_new_tokens` (which the SDK raises on) gets 0. Tracing is off: runs are
+offline. On the tiny default model the tool prompt is long (its
 vocabulary spells it out character by character), so give it room:
 
     python main.py --agent examples/agents/openai_agents_sdk.py --max_len 768
@@ -15,7 +16,7 @@ vocabulary spells it out character by character), so give it room:
 import random
 
 import openai
-from agents import Agent, OpenAIResponsesModel, RunConfig, Runner, function_tool
+from agents import Agent, ModelBehaviorError, OpenAIResponsesModel, RunConfig, Runner, function_tool
 
 from agent import ChatAgent, Result
 
@@ -38,10 +39,13 @@ class ToolMax(ChatAgent):
         async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
             agent = Agent(name="max", tools=[larger], model=OpenAIResponsesModel(ctx.model_name, client))
             config = RunConfig(tracing_disabled=True)
-            first = Runner.run_streamed(agent, ctx.prompt, run_config=config, max_turns=3)
-            async for _ in first.stream_events():   # a streamed run: the same trace as an unstreamed one
-                pass
-            history = first.to_input_list() + [{"role": "user", "content": ctx.label["follow_up"]}]
-            final = await Runner.run(agent, history, run_config=config, max_turns=3)
+            try:
+                first = Runner.run_streamed(agent, ctx.prompt, run_config=config, max_turns=3)
+                async for _ in first.stream_events():   # a streamed run: the same trace as an unstreamed one
+                    pass
+                history = first.to_input_list() + [{"role": "user", "content": ctx.label["follow_up"]}]
+                final = await Runner.run(agent, history, run_config=config, max_turns=3)
+            except ModelBehaviorError:   # the SDK refuses a reply cut off by --max_new_tokens ("incomplete")
+                return Result(reward=0.0, info={"cut_off": 1.0})
         answer = str(final.final_output).strip()
-        return Result(reward=float(answer == ctx.label["answer"]), info={"items": len(final.to_input_list())})
+        return Result(reward=float(answer == ctx.label["answer"]), info={"cut_off": 0.0})
