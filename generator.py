@@ -184,8 +184,8 @@ class Generator:
                 logprobs += [step[tok].logprob for step, tok in zip(comp.logprobs, new)]
                 versions += [self.version] * len(new)
                 if k:
-                    tops += [sorted(([t, lp.logprob] for t, lp in step.items() if lp.rank is None or lp.rank <= k),
-                                    key=lambda x: -x[1])[:k] for step in comp.logprobs]
+                    tops += [sorted(([t, lp.logprob] for t, lp in step.items()), key=lambda x: -x[1])[:k]
+                             for step in comp.logprobs]   # the k likeliest (the sampled token may be extra)
                 finish, stop = comp.finish_reason, comp.stop_reason
         finally:
             self._exit()

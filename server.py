@@ -240,7 +240,8 @@ def anthropic_request(body: dict, count_only: bool = False) -> Request:
     messages = [{"role": "system", "content": _text(body["system"], "system")}] if body.get("system") else []
     for i, m in enumerate(body["messages"]):
         where = f"messages.{i}"
-        _need(isinstance(m, dict) and m.get("role") in ("user", "assistant"), f"{where}.role: must be user or assistant")
+        _need(isinstance(m, dict) and m.get("role") in ("user", "assistant"),
+              f"{where}.role: must be user or assistant")
         blocks = [{"type": "text", "text": m["content"]}] if isinstance(m.get("content"), str) else m.get("content")
         _need(isinstance(blocks, list), f"{where}.content: must be a string or a list of blocks")
         text, calls = [], []
@@ -292,8 +293,9 @@ def responses_request(body: dict, history: dict[str, list[dict]]) -> tuple[Reque
             role = item.get("role")
             _need(role in ("system", "developer", "user", "assistant"),
                   f"{where}: needs a role of system, developer, user or assistant")
+            parse = _content if role == "user" else _text
             messages.append({"role": "system" if role == "developer" else role,
-                             "content": (_content if role == "user" else _text)(item.get("content"), f"{where}.content")})
+                             "content": parse(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
             call = _call(item.get("name"), item.get("arguments", "{}"), item.get("call_id"), where)
             if messages and messages[-1]["role"] == "assistant":   # calls after a message are part of its turn
@@ -419,7 +421,8 @@ class ChatSession:
         _need(not images or self.image_tokens, "this request shows images but the policy has no vision tower")
         return self.image_tokens.uris(images) if images else []
 
-    def prompt(self, messages: list[dict], tools: list[dict] | None) -> tuple[list[int], list[int], list[dict], list[str]]:
+    def prompt(self, messages: list[dict],
+               tools: list[dict] | None) -> tuple[list[int], list[int], list[dict], list[str]]:
         """(prompt ids, ids new to the trace, template messages, images new to the trace): the
         last segment extended when the request extends its conversation; else a fresh segment
         (prompt is delta). Image pads come expanded (vision.py)."""
@@ -470,7 +473,8 @@ class ChatSession:
         stop = out.get("stop_reason")
         cut = sampled.find(stop) if stop else -1   # the first match is where the engine stopped
         text, calls = parse_tool_calls(sampled[:cut] if cut >= 0 else sampled)
-        self.keys = [_key(m) for m in req.messages] + [_key({"role": "assistant", "content": text, "tool_calls": calls})]
+        reply = {"role": "assistant", "content": text, "tool_calls": calls}
+        self.keys = [_key(m) for m in req.messages] + [_key(reply)]
         self.rendered = rendered + [{"role": "assistant", "content": sampled}]
         self.tools, self.reply_ids = req.tools, ids
         finish = "tool_calls" if calls else ("length" if out["finish_reason"] == "length" else "stop")
@@ -489,8 +493,8 @@ def _id(prefix: str) -> str:
 
 
 def _openai_calls(reply: Reply) -> list[dict]:
-    return [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
-            for c in reply.tool_calls]
+    return [{"id": c["id"], "type": "function",
+             "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for c in reply.tool_calls]
 
 
 def openai_response(reply: Reply, model: str, req: Request) -> dict | list[Event]:
@@ -547,8 +551,9 @@ def anthropic_response(reply: Reply, model: str, req: Request) -> dict | list[Ev
         events += [("content_block_start", {"type": "content_block_start", "index": i, "content_block": start}),
                    ("content_block_delta", {"type": "content_block_delta", "index": i, "delta": delta}),
                    ("content_block_stop", {"type": "content_block_stop", "index": i})]
-    return events + [("message_delta", {"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": sequence},
-                                        "usage": {"output_tokens": reply.completion_tokens}}),
+    end = {"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": sequence},
+           "usage": {"output_tokens": reply.completion_tokens}}
+    return events + [("message_delta", end),
                      ("message_stop", {"type": "message_stop"})]
 
 
@@ -610,7 +615,8 @@ def error_body(api: str, status: int, message: str) -> dict:
 
 def _sse(events: list[Event]) -> bytes:
     return b"".join(((f"event: {name}\n" if name else "")
-                     + f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n").encode() for name, data in events)
+                     + f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n").encode()
+                    for name, data in events)
 
 
 async def _read_json(request) -> dict:
