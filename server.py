@@ -380,6 +380,20 @@ class Reply:
     completion_tokens: int
     stop_sequence: str | None = None
     logprobs: list[dict] | None = None   # OpenAI's per-token form, when asked
+    pieces: list[str] = field(default_factory=list)   # the text as streamed: one delta per sampled token
+
+    def deltas(self) -> list[str]:
+        return self.pieces or ([self.text] if self.text else [])
+
+
+def _pieces(tokenizer, ids: list[int], text: str) -> list[str]:
+    """`text` as one piece per sampled token (a final end-of-turn aside), when the pieces make
+    exactly the text; else [] (tool calls, a stop cut, a character split across tokens: the
+    text then streams whole)."""
+    if ids and ids[-1] == tokenizer.eos_token_id:
+        ids = ids[:-1]
+    pieces = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    return pieces if "".join(pieces) == text else []
 
 
 def _token_logprobs(tokenizer, ids: list[int], logprobs: list[float], tops: list | None) -> list[dict]:
@@ -480,7 +494,8 @@ class ChatSession:
         finish = "tool_calls" if calls else ("length" if out["finish_reason"] == "length" else "stop")
         logprobs = None if req.top_logprobs is None else \
             _token_logprobs(self.tokenizer, ids, out["logprobs"], out.get("top_logprobs"))
-        return Reply(text, calls, finish, len(prompt), len(ids), stop if cut >= 0 else None, logprobs)
+        return Reply(text, calls, finish, len(prompt), len(ids), stop if cut >= 0 else None, logprobs,
+                     _pieces(self.tokenizer, ids, text))
 
 
 # ---------------------------------------------------------------- replies: one Reply -> each API, whole or streamed
@@ -516,7 +531,10 @@ def openai_response(reply: Reply, model: str, req: Request) -> dict | list[Event
                       "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}]}
     events = [chunk({"role": "assistant", "content": ""})]
     if text:
-        events.append(chunk({"content": text}, lp=logprobs))
+        per_token = reply.logprobs is not None and len(reply.pieces) == len(reply.logprobs)
+        for i, piece in enumerate(reply.deltas()):   # one chunk per sampled token, with its logprobs
+            lp = {"content": reply.logprobs[i:i + 1], "refusal": None} if per_token else (logprobs if i == 0 else None)
+            events.append(chunk({"content": piece}, lp=lp))
     for i, c in enumerate(_openai_calls(reply)):   # the name first, then the arguments, as OpenAI streams them
         events.append(chunk({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
                                              "function": {"name": c["function"]["name"], "arguments": ""}}]}))
@@ -544,12 +562,12 @@ def anthropic_response(reply: Reply, model: str, req: Request) -> dict | list[Ev
         "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": 0}}})]
     for i, block in enumerate(content):
         if block["type"] == "text":
-            start, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": block["text"]}
+            start, deltas = {"type": "text", "text": ""}, [{"type": "text_delta", "text": t} for t in reply.deltas()]
         else:
             start = {**block, "input": {}}
-            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+            deltas = [{"type": "input_json_delta", "partial_json": json.dumps(block["input"])}]
         events += [("content_block_start", {"type": "content_block_start", "index": i, "content_block": start}),
-                   ("content_block_delta", {"type": "content_block_delta", "index": i, "delta": delta}),
+                   *[("content_block_delta", {"type": "content_block_delta", "index": i, "delta": d}) for d in deltas],
                    ("content_block_stop", {"type": "content_block_stop", "index": i})]
     end = {"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": sequence},
            "usage": {"output_tokens": reply.completion_tokens}}
@@ -591,7 +609,8 @@ def responses_response(reply: Reply, model: str, req: Request, body: dict) -> tu
             part = item["content"][0]
             event("response.output_item.added", output_index=i, item={**item, "status": "in_progress", "content": []})
             event("response.content_part.added", **at, content_index=0, part={**part, "text": "", "logprobs": []})
-            event("response.output_text.delta", **at, content_index=0, delta=part["text"], logprobs=part["logprobs"])
+            for piece in reply.deltas():
+                event("response.output_text.delta", **at, content_index=0, delta=piece, logprobs=[])
             event("response.output_text.done", **at, content_index=0, text=part["text"], logprobs=part["logprobs"])
             event("response.content_part.done", **at, content_index=0, part=part)
         else:

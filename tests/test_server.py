@@ -69,7 +69,7 @@ def test_openai_stream_is_the_same_trace_as_the_whole_reply(engine, server, loop
     async def two_turns(stream: bool):
         rec = Recorder(engine.generate)
         s = session(server, rec, tiny_tokenizer)
-        got = []
+        got, deltas = [], []
         async with openai.AsyncOpenAI(base_url=s.base_url, api_key="k", max_retries=0) as client:
             msgs = [{"role": "user", "content": "3?7="}]
             for follow in ("?5=", None):
@@ -78,20 +78,23 @@ def test_openai_stream_is_the_same_trace_as_the_whole_reply(engine, server, loop
                         model="m", messages=msgs, stream=True, stream_options={"include_usage": True})]
                     assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1])
                     text = "".join(c.choices[0].delta.content or "" for c in chunks[:-1])
+                    deltas.append([c.choices[0].delta.content for c in chunks[1:-2]])
                     got.append((text, chunks[-2].choices[0].finish_reason, chunks[-1].usage.completion_tokens))
                 else:
                     r = await client.chat.completions.create(model="m", messages=msgs)
                     text = r.choices[0].message.content
                     got.append((text, r.choices[0].finish_reason, r.usage.completion_tokens))
                 msgs += [{"role": "assistant", "content": text}] + ([{"role": "user", "content": follow}] if follow else [])
-        return got, rec, server.close_session(s.id)
-    (whole, _, segs_w), (streamed, rec_s, segs_s) = loop.run_until_complete(two_turns(False)), \
+        return got, rec, server.close_session(s.id), deltas
+    (whole, _, segs_w, _), (streamed, rec_s, segs_s, deltas) = loop.run_until_complete(two_turns(False)), \
         loop.run_until_complete(two_turns(True))
     assert streamed == whole
     assert len(segs_s) == 1 and len(rec_s.calls) == 2
     check_token_exact(segs_s, rec_s.calls)
     same_trace(segs_s, segs_w)
     assert [c[2] for c in streamed] == [len(out["token_ids"]) for _, out in rec_s.calls]
+    eos = tiny_tokenizer.eos_token_id   # one content delta per sampled token (its end-of-turn aside)
+    assert deltas == [[tiny_tokenizer.decode([t]) for t in out["token_ids"] if t != eos] for _, out in rec_s.calls]
 
 
 def test_anthropic_stream_is_the_same_trace_and_allows_a_large_max_tokens(engine, server, loop, tiny_tokenizer):
@@ -253,12 +256,14 @@ def test_logprobs_are_the_sampling_logprobs_with_top_alternatives(engine, server
             msgs = [{"role": "user", "content": "3?7="}]
             r = await client.chat.completions.create(model="m", messages=msgs, logprobs=True, top_logprobs=3)
             plain = await client.chat.completions.create(model="m", messages=msgs, logprobs=True, user="again")
+            chunks = [c async for c in await client.chat.completions.create(
+                model="m", messages=msgs, logprobs=True, top_logprobs=2, stream=True)]
             with pytest.raises(openai.BadRequestError, match="top_logprobs"):
                 await client.chat.completions.create(model="m", messages=msgs, logprobs=True, top_logprobs=21)
             with pytest.raises(openai.BadRequestError, match="needs logprobs"):
                 await client.chat.completions.create(model="m", messages=msgs, top_logprobs=2)
-        return r, plain, server.close_session(s.id)
-    r, plain, segs = loop.run_until_complete(go())
+        return r, plain, chunks, server.close_session(s.id)
+    r, plain, chunks, segs = loop.run_until_complete(go())
     out = rec.calls[0][1]
     n = len(out["token_ids"]) - (out["token_ids"][-1] == tok.eos_token_id)
     content = r.choices[0].logprobs.content
@@ -269,6 +274,11 @@ def test_logprobs_are_the_sampling_logprobs_with_top_alternatives(engine, server
         tops = [t.logprob for t in c.top_logprobs]
         assert len(tops) == 3 and tops == sorted(tops, reverse=True) and c.logprob <= tops[0] + 1e-6
     assert all(c.top_logprobs == [] for c in plain.choices[0].logprobs.content)
+    streamed = [c.choices[0] for c in chunks[1:-1]]   # each token's chunk carries its own logprobs
+    out = rec.calls[2][1]
+    assert [(c.delta.content, c.logprobs.content[0].logprob, len(c.logprobs.content[0].top_logprobs))
+            for c in streamed] == [(tok.decode([t]), lp, 2) for t, lp in zip(out["token_ids"], out["logprobs"])
+                                   if t != tok.eos_token_id]
 
 
 def test_models_count_tokens_n_and_retries(server, loop, tiny_tokenizer):
