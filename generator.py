@@ -45,7 +45,8 @@ import safetensors.torch
 import torch
 
 # Keys of the sampling dict an agent or the loop may set per request.
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed", "ignore_eos")
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed", "ignore_eos",
+                 "stop", "top_logprobs")
 
 
 class WeightReceiver:
@@ -143,8 +144,12 @@ class Generator:
 
     async def generate(self, prompt_ids: list[int], sampling: dict, images: list | None = None) -> dict:
         """Sample one completion. Returns token_ids, logprobs and versions (one per
-        token: the policy version that sampled it), version (of the first token)
-        and finish_reason.
+        token: the policy version that sampled it), version (of the first token),
+        finish_reason and stop_reason (the stop string that ended it, else None).
+
+        `stop` strings end generation at the first sampled token that completes one;
+        that token is the last of token_ids (vLLM keeps it and drops any after it).
+        `top_logprobs: k` adds, per token, the k likeliest [token id, logprob] pairs.
 
         With `images` (PIL images, in prompt order) `prompt_ids` carry one image pad
         token per image and vLLM expands each into the image's patch tokens: the result
@@ -159,12 +164,16 @@ class Generator:
         # With partial rollout a request can outlive a weight update: stream the
         # tokens so each is stamped with the version that was loaded when it came out.
         kind = RequestOutputKind.DELTA if self.partial_rollout else RequestOutputKind.FINAL_ONLY
-        params = SamplingParams(**sampling, logprobs=0, detokenize=False, output_kind=kind)
+        sampling = dict(sampling)
+        k = sampling.pop("top_logprobs", 0) or 0
+        # Stop strings need vLLM's detokenizer (text is decoded for matching only; ids stay as sampled).
+        params = SamplingParams(**sampling, logprobs=k, detokenize=bool(sampling.get("stop")),
+                                skip_special_tokens=False, output_kind=kind)
         prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
         if images:
             import vision
             prompt["multi_modal_data"] = {"image": [vision.load_image(i) for i in images]}
-        token_ids, logprobs, versions, finish, seen = [], [], [], None, None
+        token_ids, logprobs, versions, tops, finish, stop, seen = [], [], [], [], None, None, None
         self._enter()
         try:
             async for out in self.engine.generate(prompt, params, request_id=f"r{next(self._ids)}"):
@@ -174,11 +183,17 @@ class Generator:
                 token_ids += new
                 logprobs += [step[tok].logprob for step, tok in zip(comp.logprobs, new)]
                 versions += [self.version] * len(new)
-                finish = comp.finish_reason
+                if k:
+                    tops += [sorted(([t, lp.logprob] for t, lp in step.items()), key=lambda x: -x[1])[:k]
+                             for step in comp.logprobs]   # the k likeliest (the sampled token may be extra)
+                finish, stop = comp.finish_reason, comp.stop_reason
         finally:
             self._exit()
         result = {"token_ids": token_ids, "logprobs": logprobs, "versions": versions,
-                  "version": versions[0] if versions else self.version, "finish_reason": finish}
+                  "version": versions[0] if versions else self.version, "finish_reason": finish,
+                  "stop_reason": stop if isinstance(stop, str) else None}
+        if k:
+            result["top_logprobs"] = tops
         if images:
             result["prompt_ids"] = list(seen)
         return result

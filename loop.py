@@ -36,6 +36,7 @@ import data
 import logs
 import vision
 from generator import Engines, start_engines
+from server import ChatServer
 from trainer import TrainerGroup
 
 log = logging.getLogger("molt")
@@ -178,7 +179,7 @@ async def evaluate(cfg: dict, client, agent_cls: type, tokenizer, rows: list[dic
 
     own_server = server is None and issubclass(agent_cls, agents.ChatAgent)
     if own_server:  # --eval_only: no training loop has started one
-        server = agents.ChatServer()
+        server = ChatServer()
         await server.start()
     try:
         rewards = await asyncio.gather(*[one(r) for r in rows for _ in range(k)])
@@ -204,7 +205,7 @@ async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, to
     rows = itertools.islice(prompt_rows(cfg, agent_cls), start["rows_started"], None)
     server = None
     if client is not None and issubclass(agent_cls, agents.ChatAgent):
-        server = agents.ChatServer()  # loopback OpenAI/Anthropic endpoint for the agents' SDKs
+        server = ChatServer()  # loopback OpenAI/Anthropic endpoint for the agents' SDKs
         await server.start()
     pool = RolloutPool(cfg, agent_cls, rows, client, tokenizer, server)
     replay = sorted(Path(cfg["replay_rollouts"]).glob("step_*.jsonl")) if cfg["replay_rollouts"] else None

@@ -17,7 +17,9 @@ import pytest
 
 import agent as agents
 from _smollm import smol_tokenizer
-from agent import ChatAgent, ChatServer, Result
+from fakes import Recorder, check_token_exact, fake, ids
+from agent import ChatAgent, Result
+from server import ChatServer
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "agents"
 SAMPLING = {"temperature": 1.0, "max_tokens": 4}
@@ -40,63 +42,6 @@ def server(loop):
     loop.run_until_complete(srv.start())
     yield srv
     loop.run_until_complete(srv.stop())
-
-
-class Recorder:
-    """Wraps a generate function; keeps every (prompt ids, output) the engine got and gave."""
-
-    def __init__(self, generate):
-        self.generate, self.calls, self.sampling = generate, [], []
-
-    async def __call__(self, ids, sampling):
-        out = await self.generate(ids, sampling)
-        self.calls.append((list(ids), out))
-        self.sampling.append(dict(sampling))
-        return out
-
-
-def fake(tokenizer, replies):
-    """A Recorder over a fake engine that samples `replies` in order: text (then the end of
-    the turn) or a list of ids (sampled as is, cut off: finish_reason "length")."""
-    replies = list(replies)
-
-    async def generate(ids, sampling):
-        reply = replies.pop(0)
-        cut = isinstance(reply, list)
-        if not cut:
-            reply = tokenizer(reply, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        reply = reply[: sampling["max_tokens"]]
-        return {"token_ids": reply, "logprobs": [-0.25 * (i + 1) for i in range(len(reply))],
-                "version": 7, "finish_reason": "length" if cut else "stop"}
-    return Recorder(generate)
-
-
-def check_token_exact(segments, calls):
-    """Each engine call's prompt + completion is a prefix of one segment, in order, and the
-    segment ends with its last call's completion; masks cover exactly the completions,
-    which carry the engine's logprobs and versions."""
-    i = 0
-    for seg in segments:
-        assert len(seg.tokens) == len(seg.mask) == len(seg.logprobs) == len(seg.versions)
-        mask, first = [0] * len(seg.tokens), i
-        while i < len(calls):
-            prompt, out = calls[i]
-            a, b = len(prompt), len(prompt) + len(out["token_ids"])
-            if seg.tokens[:b] != prompt + out["token_ids"]:
-                break
-            mask[a:b] = [1] * (b - a)
-            assert seg.logprobs[a:b] == out["logprobs"]
-            assert seg.versions[a:b] == out.get("versions", [out["version"]] * (b - a))
-            i += 1
-        assert i > first, "a segment that no engine call produced"
-        assert seg.tokens == calls[i - 1][0] + calls[i - 1][1]["token_ids"]
-        assert seg.mask == mask
-        assert all(lp == 0.0 and v == -1 for lp, v, m in zip(seg.logprobs, seg.versions, seg.mask) if not m)
-    assert i == len(calls), "engine calls missing from the trace"
-
-
-def ids(tokenizer, text):
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 # ----------------------------------------------------------- stock SDKs, real vLLM engine
@@ -353,7 +298,6 @@ def test_bad_requests_get_4xx_json_and_the_server_lives_on(server, loop, tiny_to
             got["bad role"] = await _post(http, oa, {"messages": [{"role": "robot", "content": "1"}]})
             got["image"] = await _post(http, oa, {"messages": [{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": "data:"}}]}]})
-            got["stream"] = await _post(http, oa, {"messages": msg, "stream": True})
             got["n"] = await _post(http, oa, {"messages": msg, "n": 2})
             got["max_tokens 0"] = await _post(http, oa, {"messages": msg, "max_tokens": 0})
             got["anthropic no max_tokens"] = await _post(http, an, {"messages": msg})
@@ -362,8 +306,8 @@ def test_bad_requests_get_4xx_json_and_the_server_lives_on(server, loop, tiny_to
             got["wrong path"] = await _post(http, server.url + f"/s/{s.id}/v1/v1/messages", {"messages": msg})
             got["good"] = await _post(http, oa, {"messages": msg})
         async with openai.AsyncOpenAI(base_url=s.base_url, api_key="k", max_retries=0) as client:
-            with pytest.raises(openai.BadRequestError, match="stream"):
-                await client.chat.completions.create(model="m", messages=msg, stream=True)
+            with pytest.raises(openai.BadRequestError, match="n > 1 is not supported"):
+                await client.chat.completions.create(model="m", messages=msg, n=3)
         async with openai.AsyncOpenAI(base_url=server.url + "/s/nope/v1", api_key="k", max_retries=0) as client:
             with pytest.raises(openai.NotFoundError, match="no open session"):
                 await client.chat.completions.create(model="m", messages=msg)
@@ -371,7 +315,7 @@ def test_bad_requests_get_4xx_json_and_the_server_lives_on(server, loop, tiny_to
     got, segs = loop.run_until_complete(go())
     statuses = {k: status for k, (status, _) in got.items()}
     assert statuses == {"unknown session": 404, "unknown session anthropic": 404, "not json": 400,
-                        "not an object": 400, "no messages": 400, "bad role": 400, "image": 400, "stream": 400,
+                        "not an object": 400, "no messages": 400, "bad role": 400, "image": 400,
                         "n": 400, "max_tokens 0": 400, "anthropic no max_tokens": 400,
                         "anthropic bad block": 400, "wrong path": 404, "good": 200}
     for name, (status, body) in got.items():

@@ -1,6 +1,6 @@
 """Every agent in examples/agents/ loads and runs: Env examples through `run_env` with a
 fake engine, their graders and the Python sandbox directly. (The ChatAgent examples run
-against the real server and vLLM engine in test_chat_agent.py.)"""
+against the real server and vLLM engine in test_chat_agent.py and test_server.py.)"""
 
 import asyncio
 import importlib.util
@@ -34,7 +34,9 @@ def run_env(cls, row, tokenizer, replies, max_len=1024):
 
 @pytest.mark.parametrize("file, kind", [("max_digit.py", "Env"), ("arithmetic.py", "Env"),
                                         ("python_tool.py", "Env"), ("chat_openai.py", "ChatAgent"),
-                                        ("chat_anthropic.py", "ChatAgent"), ("vision_colour.py", "Env")])
+                                        ("chat_anthropic.py", "ChatAgent"), ("vision_colour.py", "Env"),
+                                        ("chat_anthropic_stream.py", "ChatAgent"),
+                                        ("openai_agents_sdk.py", "ChatAgent"), ("langchain_tools.py", "ChatAgent")])
 def test_each_example_defines_one_agent_with_prompts(file, kind):
     cls, module = load(file)
     assert cls.__mro__[1].__name__ == kind

@@ -17,6 +17,7 @@ from PIL import Image
 
 import agent as agents
 from fakes import tokens_out
+from server import ChatServer
 import vision
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "agents"
@@ -343,7 +344,7 @@ def test_chat_agent_images_are_token_exact(api, gen, trainer, vlm, hf, loop):
     images; the two requests stitch into one segment holding both images, token-exact."""
     _, _, tok = hf
     loop.run_until_complete(gen.update_weights(trainer.weights_blob(), trainer.version))
-    server = agents.ChatServer()
+    server = ChatServer()
     loop.run_until_complete(server.start())
     agent_cls = type(f"Look_{api}", (LookTwice,), {"api": api})
     row = {"prompt": "Colour?", "images": [_uri(112, 112, (255, 0, 0))]}

@@ -29,7 +29,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from agent import Env, Result, parse_tool_calls
+from agent import Env, Result
+from server import parse_tool_calls
 
 TIMEOUT_S = 5.0
 MEMORY_MB = 512

@@ -1,0 +1,778 @@
+"""The ChatAgent loopback server: stock OpenAI and Anthropic SDKs over one token-exact trace.
+
+(The agent contract, `ChatAgent` and `run_chat_agent`, is in agent.py; this is the HTTP half.)
+
+`ChatServer` (aiohttp, 127.0.0.1 only, in the caller's event loop) serves one URL
+prefix per rollout, `/s/<session>/v1/...`:
+
+    POST chat/completions      OpenAI Chat Completions (stream or not)
+    POST responses             OpenAI Responses (stream or not; stateless, previous_response_id
+                               works within the session)
+    POST messages              Anthropic Messages (stream or not)
+    POST messages/count_tokens Anthropic token count of a request, as the trace would render it
+    GET  models                the one model, in a shape both SDKs parse
+
+Each API is decoded into one canonical request (`Request`: messages {"role",
+"content": str | parts, "tool_calls"?, "tool_call_id"?}, tools, limits, stop
+strings) and a `ChatSession` turns requests into a token-exact trace: the first
+request is rendered with the chat template and tokenized once; a request that
+extends the last one (its messages, the reply as returned, new messages) appends
+only the delta, unmasked; a request that rewrites the prefix (compaction, edited
+history, a template that re-renders old turns) starts a new segment. Equivalent
+history re-sent in another form (text parts for a string, `content: null` with
+tool calls, other tool-call ids, other argument JSON spacing) is the same history.
+The reply is one completion of sampled ids; a streamed reply is the same reply
+rendered as server-sent events, so streaming never changes the trace.
+
+The server's rules:
+  - sampling is the run's (`ctx.sampling_params`): request temperature, top_p and
+    seed are ignored so every token keeps the run's logprob convention; `n` > 1 is
+    refused (400);
+  - stop strings (`stop`, `stop_sequences`) end generation at the first sampled
+    token that completes one; the trace keeps the ids up to and including it, the
+    reply text is cut before the stop string;
+  - `max_tokens` / `max_completion_tokens` / `max_output_tokens` is clamped to the
+    run's per-turn limit and to what is left of `max_len`; with no room left the
+    reply is empty and cut off ("length" / "max_tokens"), nothing recorded;
+  - the same body twice in a row (an SDK retry) gets the first reply, recorded once,
+    with the header `x-molt-cached: true`; change any field (`user`, `metadata`) to
+    sample again;
+  - tools: a template that knows `tools` gets them natively; otherwise they are
+    described in the system message and calls are written as
+    `<tool_call>{"name": ..., "arguments": ...}</tool_call>`, which a reply's text is
+    parsed for; text and images only;
+  - client input never gives a 5xx: bad JSON, bad encodings, nesting, oversized bodies
+    (413) and bad fields get the API's 4xx error body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import re
+import secrets
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent import Generate, PrefixRewrite, Trajectory, _encode, _render, _sample, decode_reply, delta_ids
+
+log = logging.getLogger("molt")
+MAX_BODY = 64 * 2**20   # long conversations with images exceed aiohttp's 1 MiB default
+
+
+class BadRequest(ValueError):
+    """A request the server refuses; `status` is the HTTP status (4xx)."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+def _need(cond: Any, message: str):
+    if not cond:
+        raise BadRequest(message)
+
+
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
+    """Split a reply into its text and its `<tool_call>{json}</tool_call>` calls
+    ({"id", "name", "arguments"}). A block that is not a JSON call stays text."""
+    calls, kept, last = [], [], 0
+    for match in TOOL_CALL.finditer(text):
+        try:
+            call = json.loads(match.group(1))
+        except (json.JSONDecodeError, RecursionError):
+            continue
+        if isinstance(call, dict) and isinstance(call.get("name"), str):
+            args = call.get("arguments", call.get("parameters", {}))
+            calls.append({"id": f"call_{secrets.token_hex(6)}", "name": call["name"], "arguments": args})
+            kept.append(text[last:match.start()])
+            last = match.end()
+    return ("".join(kept + [text[last:]]).strip(), calls) if calls else (text, [])
+
+
+# ---------------------------------------------------------------- requests: each API -> one canonical form
+
+TEXT_PARTS = ("text", "input_text", "output_text")   # Chat/Anthropic, Responses input, Responses output
+
+
+def _text(content: Any, where: str) -> str:
+    """Message content as one string: a string, None, or a list of text parts/blocks
+    ({"type": "text", "text": ...}; the Responses API's input_text/output_text)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    _need(isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in TEXT_PARTS
+                                            and isinstance(p.get("text"), str) for p in content),
+          f"{where}: only text content is supported")
+    return "".join(p["text"] for p in content)
+
+
+def _image_uri(part: dict, where: str) -> str:
+    """The data URI of an OpenAI `image_url`/`input_image` part or an Anthropic `image` block
+    (base64 only: the server is offline, so URLs are refused)."""
+    if part.get("type") in ("image_url", "input_image"):
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        _need(isinstance(url, str) and url.startswith("data:image/"),
+              f"{where}: image_url must be a data URI (data:image/...;base64,...); URLs are not fetched")
+        return url
+    src = part.get("source")
+    _need(isinstance(src, dict) and src.get("type") == "base64" and isinstance(src.get("data"), str),
+          f"{where}: image blocks need a base64 source; URLs are not fetched")
+    return f"data:{src.get('media_type', 'image/png')};base64,{src['data']}"
+
+
+IMAGE_PARTS = ("image_url", "image", "input_image")
+
+
+def _content(content: Any, where: str) -> str | list[dict]:
+    """User content: a string, or, when it shows images, parts [{"type": "text", "text"} |
+    {"type": "image", "image": data URI}] in order."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") in IMAGE_PARTS
+                                                for p in content):
+        return _text(content, where)
+    parts = []
+    for j, p in enumerate(content):
+        _need(isinstance(p, dict), f"{where}.{j}: must be an object")
+        if p.get("type") in TEXT_PARTS and isinstance(p.get("text"), str):
+            parts.append({"type": "text", "text": p["text"]})
+        elif p.get("type") in IMAGE_PARTS:
+            parts.append({"type": "image", "image": _image_uri(p, f"{where}.{j}")})
+        else:
+            raise BadRequest(f"{where}.{j}: unsupported content part {p.get('type')!r} (text and images only)")
+    return parts
+
+
+def _json_args(arguments: Any) -> Any:
+    """OpenAI sends tool arguments as a JSON string; keep the object it encodes."""
+    try:
+        return json.loads(arguments) if isinstance(arguments, str) else arguments
+    except (json.JSONDecodeError, RecursionError):
+        return arguments
+
+
+def _call(name: Any, arguments: Any, call_id: Any, where: str) -> dict:
+    _need(isinstance(name, str) and name, f"{where}: a tool call needs a name")
+    return {"id": str(call_id or ""), "name": name, "arguments": _json_args(arguments)}
+
+
+@dataclass
+class Request:
+    """One request of any API, canonical."""
+    messages: list[dict]
+    tools: list[dict] | None = None      # OpenAI chat form [{"type": "function", "function": {...}}]
+    max_tokens: Any = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    top_logprobs: int | None = None      # None: no logprobs asked; k: the sampled token's and k alternatives
+    usage_in_stream: bool = False        # OpenAI stream_options.include_usage
+
+
+def _limit(value: Any, name: str) -> Any:
+    _need(value is None or (type(value) is int and value > 0), f"{name} must be a positive integer")
+    return value
+
+
+def _stops(value: Any, name: str, most: int) -> list[str]:
+    stops = [value] if isinstance(value, str) else (value or [])
+    _need(isinstance(stops, list) and len(stops) <= most and all(isinstance(s, str) and s for s in stops),
+          f"{name} must be a non-empty string or a list of at most {most} non-empty strings")
+    return stops
+
+
+def _chat_tools(tools: Any, where: str = "tools") -> list[dict] | None:
+    _need(tools is None or (isinstance(tools, list) and all(
+        isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+        for t in tools)), f"'{where}' must be a list of {{type: function, function: {{name, ...}}}}")
+    return tools or None
+
+
+def _no_n(body: dict):
+    _need(body.get("n") in (1, None), "n > 1 is not supported: send one request per sample "
+                                       "(each sample is then its own rollout segment)")
+
+
+def openai_request(body: dict) -> Request:
+    """An OpenAI chat.completions body as a canonical Request."""
+    _need(isinstance(body.get("messages"), list) and body["messages"], "'messages' must be a non-empty list")
+    _no_n(body)
+    messages = []
+    for i, m in enumerate(body["messages"]):
+        where = f"messages[{i}]"
+        _need(isinstance(m, dict) and m.get("role") in ("system", "developer", "user", "assistant", "tool"),
+              f"{where}: needs a role of system, developer, user, assistant or tool")
+        msg = {"role": "system" if m["role"] == "developer" else m["role"],
+               "content": (_content if m["role"] == "user" else _text)(m.get("content"), f"{where}.content")}
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = m["tool_calls"]
+            _need(isinstance(calls, list) and all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                                  for c in calls), f"{where}.tool_calls: each needs a function")
+            msg["tool_calls"] = [_call(c["function"].get("name"), c["function"].get("arguments", "{}"),
+                                       c.get("id"), f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
+        if m["role"] == "tool":
+            msg["tool_call_id"] = str(m.get("tool_call_id", ""))
+        messages.append(msg)
+    logprobs = body.get("logprobs")
+    _need(logprobs in (None, True, False), "logprobs must be a boolean")
+    top = body.get("top_logprobs")
+    _need(top is None or (type(top) is int and 0 <= top <= 20), "top_logprobs must be an integer in 0..20")
+    _need(top is None or logprobs, "top_logprobs needs logprobs: true")
+    options = body.get("stream_options")
+    _need(options is None or isinstance(options, dict), "stream_options must be an object")
+    newer = body.get("max_completion_tokens")   # the newer name wins; either may be null
+    return Request(messages, _chat_tools(body.get("tools")),
+                   _limit(body.get("max_tokens") if newer is None else newer, "max_tokens"),
+                   _stops(body.get("stop"), "stop", 4), bool(body.get("stream")),
+                   (top or 0) if logprobs else None, bool((options or {}).get("include_usage")))
+
+
+def anthropic_request(body: dict, count_only: bool = False) -> Request:
+    """An Anthropic messages body as a canonical Request. `tool_result` blocks become `tool`
+    messages placed before the message's text."""
+    _need(isinstance(body.get("messages"), list) and body["messages"], "messages: must be a non-empty list")
+    _need(count_only or "max_tokens" in body, "max_tokens: field required")
+    messages = [{"role": "system", "content": _text(body["system"], "system")}] if body.get("system") else []
+    for i, m in enumerate(body["messages"]):
+        where = f"messages.{i}"
+        _need(isinstance(m, dict) and m.get("role") in ("user", "assistant"),
+              f"{where}.role: must be user or assistant")
+        blocks = [{"type": "text", "text": m["content"]}] if isinstance(m.get("content"), str) else m.get("content")
+        _need(isinstance(blocks, list), f"{where}.content: must be a string or a list of blocks")
+        text, calls = [], []
+        for j, b in enumerate(blocks):
+            kind = b.get("type") if isinstance(b, dict) else None
+            if kind == "text" and isinstance(b.get("text"), str):
+                text.append(b["text"])
+            elif kind == "image" and m["role"] == "user":
+                text.append({"type": "image", "image": _image_uri(b, f"{where}.content.{j}")})
+            elif kind == "tool_use" and m["role"] == "assistant":
+                calls.append(_call(b.get("name"), b.get("input", {}), b.get("id"), f"{where}.content.{j}"))
+            elif kind == "tool_result" and m["role"] == "user":
+                result = _text(b.get("content"), f"{where}.content.{j}.content")
+                messages.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")),
+                                 "content": ("Error: " if b.get("is_error") else "") + result})
+            else:
+                raise BadRequest(f"{where}.content.{j}: unsupported block {kind!r} (text, "
+                                 "tool_use in assistant turns and tool_result in user turns only)")
+        if text or calls or not blocks:
+            content = "".join(text) if all(isinstance(t, str) for t in text) else \
+                [{"type": "text", "text": t} if isinstance(t, str) else t for t in text]
+            messages.append({"role": m["role"], "content": content, **({"tool_calls": calls} if calls else {})})
+    tools = body.get("tools") or None
+    _need(tools is None or (isinstance(tools, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                                            for t in tools)), "tools: each tool needs a name")
+    tools = tools and [{"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
+                                                         "parameters": t.get("input_schema", {})}} for t in tools]
+    return Request(messages, tools, None if count_only else _limit(body["max_tokens"], "max_tokens"),
+                   _stops(body.get("stop_sequences"), "stop_sequences", 8), bool(body.get("stream")))
+
+
+def responses_request(body: dict, history: dict[str, list[dict]]) -> tuple[Request, list[dict]]:
+    """An OpenAI Responses body as (a canonical Request, its conversation without the instructions).
+    `history` maps the session's response ids to their conversations (for previous_response_id)."""
+    items = body.get("input")
+    items = [{"role": "user", "content": items}] if isinstance(items, str) else items
+    _need(isinstance(items, list) and items, "'input' must be a string or a non-empty list of items")
+    _no_n(body)
+    previous = body.get("previous_response_id")
+    _need(previous is None or (isinstance(previous, str) and previous in history),
+          f"previous_response_id {previous!r} is not a response of this rollout; this server keeps "
+          "no state across rollouts: send the whole input")
+    messages = list(history[previous]) if previous is not None else []   # earlier instructions do not carry over
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        _need(isinstance(item, dict), f"{where}: must be an object")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            _need(role in ("system", "developer", "user", "assistant"),
+                  f"{where}: needs a role of system, developer, user or assistant")
+            parse = _content if role == "user" else _text
+            messages.append({"role": "system" if role == "developer" else role,
+                             "content": parse(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            call = _call(item.get("name"), item.get("arguments", "{}"), item.get("call_id"), where)
+            if messages and messages[-1]["role"] == "assistant":   # calls after a message are part of its turn
+                messages[-1] = {**messages[-1], "tool_calls": messages[-1].get("tool_calls", []) + [call]}
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
+                             "content": _text(item.get("output"), f"{where}.output")})
+        else:
+            raise BadRequest(f"{where}: unsupported item type {kind!r} (message, function_call and "
+                             "function_call_output only)")
+    tools = body.get("tools") or None
+    _need(tools is None or (isinstance(tools, list) and all(
+        isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("name"), str) for t in tools)),
+          "'tools' must be a list of {type: function, name, parameters}: only function tools are supported")
+    tools = tools and [{"type": "function", "function": {"name": t["name"], "description": t.get("description") or "",
+                                                         "parameters": t.get("parameters") or {}}} for t in tools]
+    include = body.get("include") or []
+    _need(isinstance(include, list), "'include' must be a list")
+    top = body.get("top_logprobs")
+    _need(top is None or (type(top) is int and 0 <= top <= 20), "top_logprobs must be an integer in 0..20")
+    logprobs = "message.output_text.logprobs" in include or top is not None
+    system = [{"role": "system", "content": _text(body["instructions"], "instructions")}] \
+        if body.get("instructions") else []
+    return Request(system + messages, tools, _limit(body.get("max_output_tokens"), "max_output_tokens"), [],
+                   bool(body.get("stream")), (top or 0) if logprobs else None), messages
+
+
+def _key(m: dict) -> tuple:
+    """What must match for a message to count as the same one: role, text and calls
+    (names and arguments as objects); ids and formatting aside."""
+    calls = tuple((c["name"], json.dumps(c["arguments"], sort_keys=True)) for c in m.get("tool_calls", ()))
+    content = m["content"] if isinstance(m["content"], str) else json.dumps(m["content"], sort_keys=True)
+    return m["role"], content, calls
+
+
+def _images_of(messages: list[dict]) -> list[str]:
+    """The images shown in `messages`, in order (canonical image parts)."""
+    return [p["image"] for m in messages if isinstance(m["content"], list)
+            for p in m["content"] if p.get("type") == "image"]
+
+
+def _template_messages(messages: list[dict], native_tools: bool) -> list[dict]:
+    """Canonical messages in the form the chat template takes. Without native tool
+    support, calls are written as the `<tool_call>` text a model would sample."""
+    out = []
+    for m in messages:
+        t = {"role": m["role"], "content": m["content"]}
+        if m.get("tool_calls") and native_tools:
+            t["tool_calls"] = [{"id": c["id"], "type": "function",
+                                "function": {"name": c["name"], "arguments": c["arguments"]}}
+                               for c in m["tool_calls"]]
+        elif m.get("tool_calls"):
+            t["content"] += "".join("<tool_call>" + json.dumps({"name": c["name"], "arguments": c["arguments"]})
+                                    + "</tool_call>" for c in m["tool_calls"])
+        if m["role"] == "tool" and native_tools:
+            t["tool_call_id"] = m["tool_call_id"]
+        out.append(t)
+    return out
+
+
+def _tool_prompt(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """For templates without tool support: describe the tools in the system message."""
+    text = ("You can call these tools:\n<tools>\n" + "\n".join(json.dumps(t) for t in tools) + "\n</tools>\n"
+            'To call one, write <tool_call>{"name": <name>, "arguments": <JSON object>}</tool_call>.')
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + text}] + messages[1:]
+    return [{"role": "system", "content": text}] + messages
+
+
+# ---------------------------------------------------------------- the trace behind a session
+
+
+@dataclass
+class Reply:
+    """One completion, whichever API asked for it."""
+    text: str                 # text outside tool calls, cut before a stop string
+    tool_calls: list[dict]    # {"id", "name", "arguments"}
+    finish: str               # "stop", "length" or "tool_calls"
+    prompt_tokens: int
+    completion_tokens: int
+    stop_sequence: str | None = None
+    logprobs: list[dict] | None = None   # OpenAI's per-token form, when asked
+    pieces: list[str] = field(default_factory=list)   # the text as streamed: one delta per sampled token
+
+    def deltas(self) -> list[str]:
+        return self.pieces or ([self.text] if self.text else [])
+
+
+def _pieces(tokenizer, ids: list[int], text: str) -> list[str]:
+    """`text` as one piece per sampled token (a final end-of-turn aside), when the pieces make
+    exactly the text; else [] (tool calls, a stop cut, a character split across tokens: the
+    text then streams whole)."""
+    if ids and ids[-1] == tokenizer.eos_token_id:
+        ids = ids[:-1]
+    pieces = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    return pieces if "".join(pieces) == text else []
+
+
+def _token_logprobs(tokenizer, ids: list[int], logprobs: list[float], tops: list | None) -> list[dict]:
+    """Per sampled token (a final end-of-turn aside): its text, bytes, logprob and alternatives."""
+    def entry(t: int, lp: float) -> dict:
+        text = tokenizer.decode([t], skip_special_tokens=False)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", "replace"))}
+    n = len(ids) - (1 if ids and ids[-1] == tokenizer.eos_token_id else 0)
+    return [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in (tops[i] if tops else [])]}
+            for i, (t, lp) in enumerate(zip(ids[:n], logprobs[:n]))]
+
+
+class ChatSession:
+    """The token-exact trace behind one rollout's requests, cut into segments."""
+
+    def __init__(self, url: str, generate: Generate, tokenizer, sampling: dict, max_len: int,
+                 image_tokens=None):
+        self.id = secrets.token_hex(8)
+        self.image_tokens = image_tokens   # vision.ImageTokens for a vision-language model
+        self.base_url = f"{url}/s/{self.id}/v1"            # for the OpenAI SDK
+        self.anthropic_base_url = f"{url}/s/{self.id}"     # the Anthropic SDK appends /v1/messages
+        self.generate, self.tokenizer = generate, tokenizer
+        self.sampling, self.max_len = dict(sampling), max_len
+        self.native_tools = "tools" in (getattr(tokenizer, "chat_template", None) or "")
+        self.segments: list[Trajectory] = []   # sealed segments; the last one is still growing
+        self.keys: list[tuple] = []            # the conversation as the client sees it, last reply included
+        self.rendered: list[dict] = []         # the same, as the template renders it (replies as sampled)
+        self.tools: list[dict] | None = None
+        self.reply_ids: list[int] = []
+        self.last: tuple | None = None         # (api, body, response) for retries
+        self.history: dict[str, list[dict]] = {}   # Responses API: response id -> its conversation
+        self.lock = asyncio.Lock()              # one request at a time: the trace is one sequence
+        self.requests = 0
+        self.truncated = False
+        self.error: BaseException | None = None   # a generate failure, re-raised by run_chat_agent
+
+    def _uris(self, messages: list[dict]) -> list[str]:
+        images = _images_of(messages)
+        _need(not images or self.image_tokens, "this request shows images but the policy has no vision tower")
+        return self.image_tokens.uris(images) if images else []
+
+    def prompt(self, messages: list[dict],
+               tools: list[dict] | None) -> tuple[list[int], list[int], list[dict], list[str]]:
+        """(prompt ids, ids new to the trace, template messages, images new to the trace): the
+        last segment extended when the request extends its conversation; else a fresh segment
+        (prompt is delta). Image pads come expanded (vision.py)."""
+        native = tools if self.native_tools else None
+        n = len(self.keys)
+        if (self.segments and tools == self.tools and len(messages) > n
+                and [_key(m) for m in messages[:n]] == self.keys):
+            new = _template_messages(messages[n:], self.native_tools)
+            try:
+                delta = delta_ids(self.tokenizer, self.rendered, self.reply_ids, new, native)
+                images = self._uris(new)
+                delta = self.image_tokens.expand(delta, images) if images else delta
+                return self.segments[-1].tokens + delta, delta, self.rendered + new, images
+            except PrefixRewrite:
+                pass  # the template re-renders history: a new segment, below
+        rendered = _template_messages(messages, self.native_tools)
+        if tools and not self.native_tools:
+            rendered = _tool_prompt(rendered, tools)
+        ids = _encode(self.tokenizer, _render(self.tokenizer, rendered, True, native))
+        images = self._uris(rendered)
+        ids = self.image_tokens.expand(ids, images) if images else ids
+        return ids, ids, rendered, images
+
+    async def complete(self, req: Request) -> Reply:
+        prompt, delta, rendered, new_images = self.prompt(req.messages, req.tools)
+        budget = self.max_len - len(prompt)
+        if budget <= 0:  # no room for even one token: an empty, cut-off reply; nothing recorded
+            self.truncated = True
+            return Reply("", [], "length", len(prompt), 0, logprobs=[] if req.top_logprobs is not None else None)
+        run_limit = self.sampling.get("max_tokens") or budget
+        limit = min(req.max_tokens or run_limit, run_limit, budget)
+        images = (new_images if delta is prompt else self.segments[-1].images + new_images)
+        sampling = {**self.sampling, "max_tokens": limit, **({"stop": req.stop} if req.stop else {}),
+                    **({"top_logprobs": req.top_logprobs} if req.top_logprobs else {})}
+        try:
+            out = await _sample(self.generate, prompt, images, sampling, self.image_tokens)
+        except Exception as e:
+            self.error = e
+            raise
+        ids = list(out["token_ids"])
+        if delta is prompt:
+            self.segments.append(Trajectory(tokens=[], mask=[], logprobs=[], versions=[], reward=0.0))
+        self.segments[-1].add(delta, False)
+        self.segments[-1].images += new_images
+        self.segments[-1].add(ids, True, out["logprobs"], out.get("versions", out["version"]))
+        self.requests += 1
+        sampled = decode_reply(self.tokenizer, ids)
+        stop = out.get("stop_reason")
+        cut = sampled.find(stop) if stop else -1   # the first match is where the engine stopped
+        text, calls = parse_tool_calls(sampled[:cut] if cut >= 0 else sampled)
+        reply = {"role": "assistant", "content": text, "tool_calls": calls}
+        self.keys = [_key(m) for m in req.messages] + [_key(reply)]
+        self.rendered = rendered + [{"role": "assistant", "content": sampled}]
+        self.tools, self.reply_ids = req.tools, ids
+        finish = "tool_calls" if calls else ("length" if out["finish_reason"] == "length" else "stop")
+        logprobs = None if req.top_logprobs is None else \
+            _token_logprobs(self.tokenizer, ids, out["logprobs"], out.get("top_logprobs"))
+        return Reply(text, calls, finish, len(prompt), len(ids), stop if cut >= 0 else None, logprobs,
+                     _pieces(self.tokenizer, ids, text))
+
+
+# ---------------------------------------------------------------- replies: one Reply -> each API, whole or streamed
+
+Event = tuple[str | None, Any]   # (SSE event name or None, data: a JSON object or a raw string)
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(8)}"
+
+
+def _openai_calls(reply: Reply) -> list[dict]:
+    return [{"id": c["id"], "type": "function",
+             "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for c in reply.tool_calls]
+
+
+def openai_response(reply: Reply, model: str, req: Request) -> dict | list[Event]:
+    usage = {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens,
+             "total_tokens": reply.prompt_tokens + reply.completion_tokens}
+    logprobs = None if reply.logprobs is None else {"content": reply.logprobs, "refusal": None}
+    text = reply.text if reply.text or not reply.tool_calls else None
+    head = {"id": _id("chatcmpl"), "created": int(time.time()), "model": model}
+    if not req.stream:
+        message: dict = {"role": "assistant", "content": text}
+        if reply.tool_calls:
+            message["tool_calls"] = _openai_calls(reply)
+        return {**head, "object": "chat.completion", "usage": usage,
+                "choices": [{"index": 0, "message": message, "finish_reason": reply.finish, "logprobs": logprobs}]}
+    extra = {"usage": None} if req.usage_in_stream else {}
+
+    def chunk(delta: dict, finish: str | None = None, lp: dict | None = None) -> Event:
+        return None, {**head, "object": "chat.completion.chunk", **extra,
+                      "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}]}
+    events = [chunk({"role": "assistant", "content": ""})]
+    if text:
+        per_token = reply.logprobs is not None and len(reply.pieces) == len(reply.logprobs)
+        for i, piece in enumerate(reply.deltas()):   # one chunk per sampled token, with its logprobs
+            lp = {"content": reply.logprobs[i:i + 1], "refusal": None} if per_token else (logprobs if i == 0 else None)
+            events.append(chunk({"content": piece}, lp=lp))
+    for i, c in enumerate(_openai_calls(reply)):   # the name first, then the arguments, as OpenAI streams them
+        events.append(chunk({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
+                                             "function": {"name": c["function"]["name"], "arguments": ""}}]}))
+        events.append(chunk({"tool_calls": [{"index": i, "function": {"arguments": c["function"]["arguments"]}}]}))
+    events.append(chunk({}, reply.finish))
+    if req.usage_in_stream:
+        events.append((None, {**head, "object": "chat.completion.chunk", "choices": [], "usage": usage}))
+    return events + [(None, "[DONE]")]
+
+
+def anthropic_response(reply: Reply, model: str, req: Request) -> dict | list[Event]:
+    content = [{"type": "text", "text": reply.text}] if reply.text or not reply.tool_calls else []
+    content += [{"type": "tool_use", "id": c["id"], "name": c["name"], "input": c["arguments"]}
+                for c in reply.tool_calls]
+    stop = "stop_sequence" if reply.stop_sequence and not reply.tool_calls else \
+        {"tool_calls": "tool_use", "length": "max_tokens"}.get(reply.finish, "end_turn")
+    sequence = reply.stop_sequence if stop == "stop_sequence" else None
+    message = {"id": _id("msg"), "type": "message", "role": "assistant", "model": model, "content": content,
+               "stop_reason": stop, "stop_sequence": sequence,
+               "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": reply.completion_tokens}}
+    if not req.stream:
+        return message
+    events: list[Event] = [("message_start", {"type": "message_start", "message": {
+        **message, "content": [], "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": 0}}})]
+    for i, block in enumerate(content):
+        if block["type"] == "text":
+            start, deltas = {"type": "text", "text": ""}, [{"type": "text_delta", "text": t} for t in reply.deltas()]
+        else:
+            start = {**block, "input": {}}
+            deltas = [{"type": "input_json_delta", "partial_json": json.dumps(block["input"])}]
+        events += [("content_block_start", {"type": "content_block_start", "index": i, "content_block": start}),
+                   *[("content_block_delta", {"type": "content_block_delta", "index": i, "delta": d}) for d in deltas],
+                   ("content_block_stop", {"type": "content_block_stop", "index": i})]
+    end = {"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": sequence},
+           "usage": {"output_tokens": reply.completion_tokens}}
+    return events + [("message_delta", end),
+                     ("message_stop", {"type": "message_stop"})]
+
+
+def responses_response(reply: Reply, model: str, req: Request, body: dict) -> tuple[str, dict | list[Event]]:
+    """(the response id, the response or its events)."""
+    done = "incomplete" if reply.finish == "length" else "completed"
+    output = []
+    if reply.text or not reply.tool_calls:
+        output.append({"type": "message", "id": _id("msg"), "role": "assistant", "status": done, "content": [
+            {"type": "output_text", "text": reply.text, "annotations": [], "logprobs": reply.logprobs or []}]})
+    output += [{"type": "function_call", "id": _id("fc"), "call_id": c["id"], "name": c["name"],
+                "arguments": json.dumps(c["arguments"]), "status": "completed"} for c in reply.tool_calls]
+    response = {"id": _id("resp"), "object": "response", "created_at": int(time.time()), "model": model,
+                "status": done, "incomplete_details": {"reason": "max_output_tokens"} if done == "incomplete" else None,
+                "error": None, "instructions": body.get("instructions"), "output": output,
+                "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or "auto",
+                "parallel_tool_calls": True, "previous_response_id": body.get("previous_response_id"),
+                "max_output_tokens": body.get("max_output_tokens"), "metadata": body.get("metadata") or {},
+                "store": False, "text": {"format": {"type": "text"}}, "truncation": "disabled",
+                "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": reply.completion_tokens,
+                          "total_tokens": reply.prompt_tokens + reply.completion_tokens,
+                          "input_tokens_details": {"cached_tokens": 0},
+                          "output_tokens_details": {"reasoning_tokens": 0}}}
+    if not req.stream:
+        return response["id"], response
+    events: list[Event] = []
+
+    def event(kind: str, **data):
+        events.append((kind, {"type": kind, "sequence_number": len(events), **data}))
+    event("response.created", response={**response, "status": "in_progress", "output": [], "usage": None})
+    event("response.in_progress", response={**response, "status": "in_progress", "output": [], "usage": None})
+    for i, item in enumerate(output):
+        at = {"item_id": item["id"], "output_index": i}
+        if item["type"] == "message":
+            part = item["content"][0]
+            event("response.output_item.added", output_index=i, item={**item, "status": "in_progress", "content": []})
+            event("response.content_part.added", **at, content_index=0, part={**part, "text": "", "logprobs": []})
+            for piece in reply.deltas():
+                event("response.output_text.delta", **at, content_index=0, delta=piece, logprobs=[])
+            event("response.output_text.done", **at, content_index=0, text=part["text"], logprobs=part["logprobs"])
+            event("response.content_part.done", **at, content_index=0, part=part)
+        else:
+            event("response.output_item.added", output_index=i,
+                  item={**item, "status": "in_progress", "arguments": ""})
+            event("response.function_call_arguments.delta", **at, delta=item["arguments"])
+            event("response.function_call_arguments.done", **at, arguments=item["arguments"], name=item["name"])
+        event("response.output_item.done", output_index=i, item=item)
+    event("response.incomplete" if done == "incomplete" else "response.completed", response=response)
+    return response["id"], events
+
+
+def error_body(api: str, status: int, message: str) -> dict:
+    """An error in the API's own format, so each SDK raises its usual exception."""
+    kind = {404: "not_found_error", 413: "request_too_large"}.get(
+        status, "invalid_request_error" if status < 500 else "api_error")
+    if api == "anthropic":
+        return {"type": "error", "error": {"type": kind, "message": message}}
+    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+
+
+def _sse(events: list[Event]) -> bytes:
+    return b"".join(((f"event: {name}\n" if name else "")
+                     + f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n").encode()
+                    for name, data in events)
+
+
+async def _read_json(request) -> dict:
+    """The body as a JSON object; every way a body can be malformed is a BadRequest (413 if too large)."""
+    from aiohttp import web
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise BadRequest(f"the request body is over the server's limit of {MAX_BODY // 2**20} MiB", 413) from None
+    try:   # JSON is UTF-8 (or -16/-32, detected); a Content-Type charset is not needed to read it
+        body = json.loads(raw)
+        json.dumps(body, ensure_ascii=False).encode("utf-8")   # a lone surrogate cannot be tokenized
+    except RecursionError:
+        raise BadRequest("the request body is nested too deeply") from None
+    except UnicodeError:
+        raise BadRequest("the request body is not valid UTF-8 text (or holds a lone UTF-16 surrogate)") from None
+    except ValueError:
+        raise BadRequest("the request body is not valid JSON") from None
+    _need(isinstance(body, dict), "the request body must be a JSON object")
+    return body
+
+
+class ChatServer:
+    """Loopback OpenAI/Anthropic server (aiohttp) in the caller's event loop, 127.0.0.1 only.
+
+        server = ChatServer(); await server.start()
+        session = server.open_session(generate, tokenizer, sampling=..., max_len=...)
+        ... requests to session.base_url / session.anthropic_base_url ...
+        segments = server.close_session(session.id); await server.stop()
+    """
+
+    def __init__(self, model_name: str = "policy", api_key: str = "molt"):
+        self.model_name, self.api_key = model_name, api_key
+        self.sessions: dict[str, ChatSession] = {}
+        self.url = ""
+        self._runner = None
+
+    async def start(self) -> str:
+        from aiohttp import web
+        app = web.Application(client_max_size=MAX_BODY)
+        route = "/s/{session}/v1/"
+        for path, api in (("chat/completions", "openai"), ("messages", "anthropic"), ("responses", "responses"),
+                          ("messages/count_tokens", "count_tokens")):
+            app.router.add_post(route + path, functools.partial(self._handle, api=api))
+        app.router.add_get(route + "models", self._models)
+        app.router.add_get(route + "models/{model}", self._models)
+        app.router.add_route("*", "/{tail:.*}", self._not_found)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))   # a free port, loopback only
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.SockSite(self._runner, sock).start()
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        return self.url
+
+    async def stop(self):
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner, self.url = None, ""
+
+    def open_session(self, generate: Generate, tokenizer, *, sampling: dict, max_len: int,
+                     image_tokens=None) -> ChatSession:
+        if not self.url:
+            raise ValueError("ChatServer.open_session: call `await server.start()` first")
+        session = ChatSession(self.url, generate, tokenizer, sampling, max_len, image_tokens)
+        self.sessions[session.id] = session
+        return session
+
+    def close_session(self, sid: str) -> list[Trajectory]:
+        """Forget the session; its segments in order (later requests to it get 404)."""
+        return self.sessions.pop(sid).segments
+
+    async def _reply(self, session: ChatSession, api: str, body: dict) -> dict | list[Event]:
+        """The response (a JSON object, or SSE events when streamed) to one parsed body."""
+        model = str(body.get("model", self.model_name))
+        if api == "count_tokens":
+            req = anthropic_request(body, count_only=True)
+            return {"input_tokens": len(session.prompt(req.messages, req.tools)[0])}
+        if api == "responses":
+            req, conversation = responses_request(body, session.history)
+            reply = await session.complete(req)
+            rid, response = responses_response(reply, model, req, body)
+            session.history[rid] = conversation + [{"role": "assistant", "content": reply.text,
+                                                    **({"tool_calls": reply.tool_calls} if reply.tool_calls else {})}]
+            return response
+        req = (openai_request if api == "openai" else anthropic_request)(body)
+        return (openai_response if api == "openai" else anthropic_response)(await session.complete(req), model, req)
+
+    async def _handle(self, request, api: str):
+        from aiohttp import web
+        from jinja2 import TemplateError
+        session = self.sessions.get(request.match_info["session"])
+        fmt = "anthropic" if api in ("anthropic", "count_tokens") else "openai"
+        cached = False
+        try:
+            _need(session, f"no open session {request.match_info['session']!r} (closed, or never opened)")
+            body = await _read_json(request)
+            key = json.dumps(body, sort_keys=True)
+            async with session.lock:
+                if api != "count_tokens" and session.last and session.last[:2] == (api, key):
+                    response, cached = session.last[2], True   # a retry: same reply, recorded once
+                else:
+                    response = await self._reply(session, api, body)
+                    if api != "count_tokens":
+                        session.last = (api, key, response)
+        except BadRequest as e:
+            status = 404 if session is None else e.status
+            return web.json_response(error_body(fmt, status, str(e)), status=status)
+        except (TemplateError, RecursionError, UnicodeError) as e:   # e.g. a template that insists roles alternate
+            return web.json_response(error_body(fmt, 400, f"the chat template cannot render this request: {e}"),
+                                     status=400)
+        except Exception as e:
+            if session.error is not e:
+                log.exception("chat server: request failed")
+            return web.json_response(error_body(fmt, 500, f"{type(e).__name__}: {e}"), status=500)
+        headers = {"x-molt-cached": "true"} if cached else {}
+        if isinstance(response, dict):
+            return web.json_response(response, headers=headers)
+        return web.Response(body=_sse(response), content_type="text/event-stream",
+                            headers={**headers, "Cache-Control": "no-cache"})
+
+    async def _models(self, request):
+        """The one model, in a shape both SDKs parse (OpenAI's list and Anthropic's page)."""
+        from aiohttp import web
+        created = int(time.time())
+        model = {"id": self.model_name, "object": "model", "created": created, "owned_by": "molt",
+                 "type": "model", "display_name": self.model_name, "created_at": "1970-01-01T00:00:00Z"}
+        if request.match_info["session"] not in self.sessions:
+            return web.json_response(error_body("openai", 404, "no open session"), status=404)
+        if "model" in request.match_info:
+            return web.json_response(model)
+        return web.json_response({"object": "list", "data": [model], "has_more": False,
+                                  "first_id": self.model_name, "last_id": self.model_name})
+
+    async def _not_found(self, request):
+        from aiohttp import web
+        api = "anthropic" if "/messages" in request.path else "openai"
+        return web.json_response(error_body(api, 404, (
+            f"no route {request.method} {request.path}; OpenAI clients use ctx.base_url "
+            "(.../s/<session>/v1), Anthropic clients ctx.anthropic_base_url (.../s/<session>)")), status=404)
