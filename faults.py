@@ -151,6 +151,27 @@ class RunGuard:
         return False
 
 
+def guarded(out: Path, run: Callable[[], Any]) -> Any:
+    """`run()` (a whole run writing into `out`) with SIGINT/SIGTERM raising Stopped and inside a
+    RunGuard; afterwards no interrupted checkpoint is left in `out` (its writer is reaped by
+    then). A Stopped gets a one-line `message`: the signal, the phase, what can be resumed."""
+    import logs
+    old_signals = catch_stop_signals()
+    set_phase("start-up")
+    try:
+        with RunGuard():
+            return run()
+    except Stopped as e:
+        ckpts = logs.complete_checkpoints(out)
+        e.message = (f"{e} during {phase}; the step in flight was dropped; "
+                     + (f"last complete checkpoint: {ckpts[-1]} (continue with --resume)" if ckpts else
+                        "no checkpoint to resume from (--save_every)"))
+        raise
+    finally:
+        logs.remove_interrupted_checkpoints(out)
+        restore_signals(old_signals)
+
+
 def reaper_main(run_id: str, driver: int):
     """The reaper process: wait until the driver closes our stdin or dies, then reap."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -217,10 +238,11 @@ class AgentThreads:
         self.threads = [AgentThread(f"molt-agent-{i}") for i in range(n)]
 
     def take(self) -> AgentThread:
-        free = [t for t in self.threads if t.blocked_for() < 1.0]  # its loop ticks every 0.5 s when free
-        if not free:
+        free = [t for t in self.threads if t.blocked_for() < 2.0]  # its loop ticks every 0.5 s when free
+        if not free and len(self.threads) < 4 * AGENT_THREADS:
             free = [AgentThread(f"molt-agent-{len(self.threads)}")]
             self.threads += free
+        free = free or self.threads  # all blocked, no more threads: share the least loaded
         thread = min(free, key=lambda t: t.rollouts)
         thread.rollouts += 1
         return thread

@@ -232,6 +232,31 @@ def complete_checkpoints(out: Path) -> list[Path]:
     return sorted(found)
 
 
+async def save_checkpoint(out: Path, write, state: dict, keep: int):
+    """Write a checkpoint: `await write(folder)` (the trainer's state) and the loop `state` go
+    into step_N.tmp, which is then renamed to step_N: a checkpoint interrupted mid-write is
+    never mistaken for a complete one. Keeps the last `keep` complete checkpoints."""
+    root = Path(out) / "checkpoints"
+    final, tmp = root / f"step_{state['step']:06d}", root / f"step_{state['step']:06d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        await write(str(tmp / "trainer"))
+        (tmp / "loop.json").write_text(json.dumps(state))
+    except BaseException:  # stopped or failed mid-write: leave no half checkpoint
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    for old in complete_checkpoints(out)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_interrupted_checkpoints(out: Path):
+    for tmp in (Path(out) / "checkpoints").glob("step_*.tmp"):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def earlier_records(cfg: dict) -> list[str]:
     """What an earlier run left that a fresh run with `cfg` would overwrite."""
     out = Path(cfg["output_dir"])

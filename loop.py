@@ -23,7 +23,6 @@ import itertools
 import json
 import logging
 import os
-import shutil
 import sys
 import time
 import traceback
@@ -296,9 +295,10 @@ async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, to
             on_step(metrics)
             if cfg["save_every"] and ((step + 1) % cfg["save_every"] == 0 or step + 1 == cfg["steps"]):
                 faults.set_phase(f"step {step + 1} (checkpointing)")
-                save_checkpoint(out, trainer, {"step": step + 1, "version": version,
-                                               "rows_started": start["rows_started"] + pool.started},
-                                cfg["keep_checkpoints"])
+                await logs.save_checkpoint(out, lambda folder: trainer.call("save_checkpoint", folder),
+                                           {"step": step + 1, "version": version,
+                                            "rows_started": start["rows_started"] + pool.started},
+                                           cfg["keep_checkpoints"])
     finally:
         pool.cancel()
         watchdog.close()
@@ -306,26 +306,6 @@ async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, to
         if server is not None:
             await server.stop()
     return history
-
-
-def save_checkpoint(out: Path, trainer, state: dict, keep: int):
-    """Write the trainer state and the loop state into a temporary folder, then rename it:
-    a checkpoint interrupted mid-write is never mistaken for a complete one."""
-    import ray
-    root = out / "checkpoints"
-    final, tmp = root / f"step_{state['step']:06d}", root / f"step_{state['step']:06d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        ray.get(trainer.call("save_checkpoint", str(tmp / "trainer")))
-        (tmp / "loop.json").write_text(json.dumps(state))
-    except BaseException:  # stopped or failed mid-write: leave no half checkpoint
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(tmp, final)
-    for old in complete_checkpoints(out)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def start_ray(cfg: dict):
@@ -345,25 +325,9 @@ def start_ray(cfg: dict):
 
 
 def run(cfg: dict) -> dict:
-    """`run_tagged` in a `faults.RunGuard`: SIGINT/SIGTERM raise `faults.Stopped` (with a
-    one-line `message`), and however the run ends no process of it outlives it and no
-    interrupted checkpoint stays in --output_dir."""
-    out = Path(cfg["output_dir"])
-    old_signals = faults.catch_stop_signals()
-    faults.set_phase("start-up")
-    try:
-        with faults.RunGuard():
-            return run_tagged(cfg)
-    except faults.Stopped as e:
-        ckpts = complete_checkpoints(out)
-        e.message = (f"{e} during {faults.phase}; the step in flight was dropped; "
-                     + (f"last complete checkpoint: {ckpts[-1]} (continue with --resume)" if ckpts else
-                        "no checkpoint to resume from (--save_every)"))
-        raise
-    finally:
-        for tmp in (out / "checkpoints").glob("step_*.tmp"):  # its writer is gone now (reaped)
-            shutil.rmtree(tmp, ignore_errors=True)
-        faults.restore_signals(old_signals)
+    """`run_tagged`, guarded (faults.guarded): SIGINT/SIGTERM raise `faults.Stopped`, and no
+    process of the run or interrupted checkpoint outlives it, however it ends."""
+    return faults.guarded(Path(cfg["output_dir"]), lambda: run_tagged(cfg))
 
 
 def run_tagged(cfg: dict) -> dict:
