@@ -56,6 +56,7 @@ class Stopped(KeyboardInterrupt):
 
 
 phase = "start-up"  # what the driver is doing, for the one line a stopped run prints
+received: int | None = None  # the stop signal, once one came
 
 
 def set_phase(now: str):
@@ -64,6 +65,8 @@ def set_phase(now: str):
 
 
 def _raise_stopped(signum, frame):
+    global received
+    received = signum
     # once: a second signal while the run cleans up is ignored (the reaper still runs)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -156,17 +159,21 @@ def guarded(out: Path, run: Callable[[], Any]) -> Any:
     RunGuard; afterwards no interrupted checkpoint is left in `out` (its writer is reaped by
     then). A Stopped gets a one-line `message`: the signal, the phase, what can be resumed."""
     import logs
-    old_signals = catch_stop_signals()
+    global received
+    old_signals, received = catch_stop_signals(), None
     set_phase("start-up")
     try:
         with RunGuard():
             return run()
-    except Stopped as e:
+    except KeyboardInterrupt as e:  # Ray turns the Stopped raised inside ray.get/wait into a KeyboardInterrupt
+        stopped = e if isinstance(e, Stopped) else Stopped(received or signal.SIGINT)
         ckpts = logs.complete_checkpoints(out)
-        e.message = (f"{e} during {phase}; the step in flight was dropped; "
-                     + (f"last complete checkpoint: {ckpts[-1]} (continue with --resume)" if ckpts else
-                        "no checkpoint to resume from (--save_every)"))
-        raise
+        stopped.message = (f"{stopped} during {phase}; the step in flight was dropped; "
+                           + (f"last complete checkpoint: {ckpts[-1]} (continue with --resume)" if ckpts else
+                              "no checkpoint to resume from (--save_every)"))
+        if stopped is e:
+            raise
+        raise stopped from None
     finally:
         logs.remove_interrupted_checkpoints(out)
         restore_signals(old_signals)
