@@ -318,7 +318,9 @@ def start_ray(cfg: dict):
            faults.TAG: os.environ[faults.TAG]}  # on a cluster, the actors' tag comes only from here
     if cfg["ray_address"] is None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local cluster
-    ray.init(address=cfg["ray_address"], include_dashboard=False, logging_level=logging.WARNING,
+    # "local": a new local cluster, never one found in /tmp/ray/ray_current_cluster (a stale file
+    # there made ray.init retry a dead GCS for minutes, deaf to Ctrl-C and SIGTERM)
+    ray.init(address=cfg["ray_address"] or "local", include_dashboard=False, logging_level=logging.WARNING,
              runtime_env={"env_vars": env}, log_to_driver=cfg["verbose"])
     faults.catch_stop_signals()  # ray.init sets a SIGTERM handler of its own (sys.exit): ours again
     return ray

@@ -52,6 +52,20 @@ def nothing_left(tag: str, timeout: float = 20.0) -> list[str]:
     return tagged(tag)
 
 
+RUNS: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _kill_leftover_runs():
+    """A failing test must not leave its run behind (the next tests would share the CPUs)."""
+    yield
+    for proc in RUNS:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    RUNS.clear()
+
+
 class Run:
     """`python main.py ARGS` in its own process group (so SIGINT to the group is a terminal's
     Ctrl-C), tagged, stderr to a file."""
@@ -63,6 +77,7 @@ class Run:
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), *args], cwd=ROOT, env=env,
                                      stdout=subprocess.DEVNULL, stderr=self.err_path.open("w"),
                                      start_new_session=True)
+        RUNS.append(self.proc)
 
     def wait(self, timeout: float = 240.0) -> int:
         try:
