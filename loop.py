@@ -236,13 +236,13 @@ async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, to
     if client is not None and issubclass(agent_cls, agents.ChatAgent):
         server = agents.ChatServer()  # loopback OpenAI/Anthropic endpoint for the agents' SDKs
         await server.start()
-    threads = faults.AgentThreads()  # agent code runs off this loop (a blocking step stalls only its thread)
-    pool = RolloutPool(cfg, agent_cls, rows, client, tokenizer, server, threads)
-    watchdog = faults.Watchdog(asyncio.get_running_loop(), threads).start()
     replay = sorted(Path(cfg["replay_rollouts"]).glob("step_*.jsonl")) if cfg["replay_rollouts"] else None
     held_out = eval_rows(cfg, agent_cls) if cfg["eval_every"] and client else []
     version = start["version"]  # policy version now in the engine
     history = []
+    threads = faults.AgentThreads()  # agent code runs off this loop (a blocking step stalls only its thread)
+    pool = RolloutPool(cfg, agent_cls, rows, client, tokenizer, server, threads)
+    watchdog = faults.Watchdog(asyncio.get_running_loop(), threads).start()
     try:
         for step in range(start["step"], cfg["steps"]):
             t_step = time.perf_counter()
