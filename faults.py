@@ -170,7 +170,7 @@ def guarded(out: Path, run: Callable[[], Any]) -> Any:
         ckpts = logs.complete_checkpoints(out)
         stopped.message = (f"{stopped} during {phase}; the step in flight was dropped; "
                            + (f"last complete checkpoint: {ckpts[-1]} (continue with --resume)" if ckpts else
-                              "no checkpoint to resume from (--save_every)"))
+                              "no complete checkpoint to resume from"))
         if stopped is e:
             raise
         raise stopped from None
