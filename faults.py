@@ -57,11 +57,20 @@ class Stopped(KeyboardInterrupt):
 
 phase = "start-up"  # what the driver is doing, for the one line a stopped run prints
 received: int | None = None  # the stop signal, once one came
+_loop_task: asyncio.Task | None = None  # the driver's loop while it runs (cancel_on_stop)
 
 
 def set_phase(now: str):
     global phase
     phase = now
+
+
+def cancel_on_stop(task: asyncio.Task | None):
+    """While `task` (the loop's main task) runs, a stop signal cancels it instead of raising
+    Stopped inside whichever task runs at that moment (asyncio.run's clean-up would then stop
+    half way, and the loop's `finally` would not run); `guarded` turns it into Stopped."""
+    global _loop_task
+    _loop_task = task
 
 
 def _raise_stopped(signum, frame):
@@ -70,6 +79,9 @@ def _raise_stopped(signum, frame):
     # once: a second signal while the run cleans up is ignored (the reaper still runs)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if _loop_task is not None and not _loop_task.done():
+        _loop_task.get_loop().call_soon_threadsafe(_loop_task.cancel)
+        return
     raise Stopped(signum)
 
 
@@ -161,11 +173,15 @@ def guarded(out: Path, run: Callable[[], Any]) -> Any:
     import logs
     global received
     old_signals, received = catch_stop_signals(), None
+    cancel_on_stop(None)
     set_phase("start-up")
     try:
         with RunGuard():
             return run()
-    except KeyboardInterrupt as e:  # Ray turns the Stopped raised inside ray.get/wait into a KeyboardInterrupt
+    except (KeyboardInterrupt, asyncio.CancelledError) as e:
+        if isinstance(e, asyncio.CancelledError) and received is None:
+            raise  # a cancellation, not a stop signal
+        # Ray turns a Stopped raised inside ray.get/wait into a plain KeyboardInterrupt
         stopped = e if isinstance(e, Stopped) else Stopped(received or signal.SIGINT)
         ckpts = logs.complete_checkpoints(out)
         stopped.message = (f"{stopped} during {phase}; the step in flight was dropped; "

@@ -243,6 +243,7 @@ async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, to
     threads = faults.AgentThreads()  # agent code runs off this loop (a blocking step stalls only its thread)
     pool = RolloutPool(cfg, agent_cls, rows, client, tokenizer, server, threads)
     watchdog = faults.Watchdog(asyncio.get_running_loop(), threads).start()
+    faults.cancel_on_stop(asyncio.current_task())  # a stop signal cancels the loop: every finally runs
     try:
         for step in range(start["step"], cfg["steps"]):
             t_step = time.perf_counter()
@@ -300,6 +301,7 @@ async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, to
                                             "rows_started": start["rows_started"] + pool.started},
                                            cfg["keep_checkpoints"])
     finally:
+        faults.cancel_on_stop(None)
         pool.cancel()
         watchdog.close()
         threads.close()
@@ -377,10 +379,12 @@ def run_tagged(cfg: dict) -> dict:
             bar.set_postfix(reward=f"{m['reward_mean']:.3f}", s_per_step=f"{m['step_s']:.2f}",
                             tok_per_s=f"{m['tokens_per_s']:.0f}", mismatch=f"{m.get('mismatch_k3', 0.0):.1e}")
 
-        history = asyncio.run(train(cfg, engines, trainer, agent_cls, tokenizer, on_step, start))
+        try:
+            history = asyncio.run(train(cfg, engines, trainer, agent_cls, tokenizer, on_step, start))
+        finally:  # a stopped run's records are closed too (W&B/MLflow runs finished, not left open)
+            bar.close()
+            metrics_file.close()
         faults.set_phase("export")
-        bar.close()
-        metrics_file.close()
         final = ray.get(trainer.call("export", cfg["export_hf"])) if cfg["export_hf"] else None
         if engines is not None:
             engines.shutdown()
