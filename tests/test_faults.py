@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -221,6 +222,39 @@ def test_reaper_cleans_up_after_a_killed_driver(tmp_path):
     proc.kill()
     proc.wait()
     assert not nothing_left(tag)
+
+
+def test_a_stop_signal_cancels_the_loop_so_every_finally_runs(tmp_path):
+    """Unit: SIGTERM while the loop runs: the loop's task and its children end through their
+    `finally` blocks, the run ends with Stopped(SIGTERM) carrying its one-line message, an
+    interrupted checkpoint folder is removed and the signal handlers are restored. (That no
+    asyncio clean-up noise follows the message is checked by the real-run test below.)"""
+    cleaned = []
+
+    async def rollout():
+        try:
+            await asyncio.sleep(60)
+        finally:
+            cleaned.append("rollout")
+
+    async def loop_():
+        faults.cancel_on_stop(asyncio.current_task())
+        child = asyncio.create_task(rollout())
+        try:
+            faults.set_phase("step 1 (generating)")
+            (tmp_path / "checkpoints" / "step_000001.tmp").mkdir(parents=True)
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            await child
+        finally:
+            child.cancel()
+            cleaned.append("loop")
+
+    with pytest.raises(faults.Stopped) as e:
+        faults.guarded(tmp_path, lambda: asyncio.run(loop_()))
+    assert e.value.signum == signal.SIGTERM and "rollout" in cleaned and "loop" in cleaned
+    assert e.value.message.startswith("stopped by SIGTERM during step 1 (generating)")
+    assert not list((tmp_path / "checkpoints").iterdir())
+    assert signal.getsignal(signal.SIGTERM) is not faults._raise_stopped   # handlers restored
 
 
 def test_signals_and_kill_leave_nothing_behind_and_resume_continues(tiny_model, tmp_path, capsys, monkeypatch):
