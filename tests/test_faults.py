@@ -128,20 +128,23 @@ class WorksOnceThenBreaks(Env):
 def test_agents_that_break_after_step_one_stop_the_run(tiny_model, tmp_path):
     """Raising, blocking (time.sleep in step) and hanging agents, from step 2 on: the run stops
     after --max_failed_groups failed groups with the counts and the last traceback; the blocked
-    agent is dropped by --agent_timeout (its thread, not the loop, is stuck) with its stack."""
+    agent is dropped by --agent_timeout (its thread, not the loop, is stuck) with its stack, and
+    the watchdog reports the blocked agent thread. (Five 2-rollout groups, three rounds of 3 s
+    timeouts: the block lasts past the watchdog's 5 s.)"""
     agent = tmp_path / "bad.py"
     agent.write_text(BAD_AGENT)
     out = tmp_path / "run"
     run = Run(tmp_path, ["--model", tiny_model, "--agent", str(agent), "--steps", "3", "--output_dir", str(out),
-                         "--agent_timeout", "3", "--max_failed_groups", "3", *TINY])
+                         "--agent_timeout", "3", "--max_failed_groups", "5", *TINY])
     rc = run.wait()
     err = run.stderr()
     assert rc == 1, err[-3000:]
     assert [m["step"] for m in metric_lines(out)] == [1]
-    assert "every rollout of the last 3 groups failed (--max_failed_groups 3" in err, err[-3000:]
+    assert "every rollout of the last 5 groups failed (--max_failed_groups 5" in err, err[-3000:]
     assert "'error':" in err and "'timeout':" in err            # the counts, by reason
     assert "ValueError: agent bug at call" in err                # the raising agent's traceback
     assert "the agent's code is blocking its thread at:" in err and "time.sleep(600)" in err
+    assert "has not run for" in err and "agent thread molt-agent-" in err   # the watchdog's report (>= 5 s)
     assert not nothing_left(run.tag)
 
 
