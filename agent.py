@@ -301,9 +301,9 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
         action = decode_reply(tokenizer, out["token_ids"])
         messages.append({"role": "assistant", "content": action})
         result = await call(env.step, State(prompt=row["prompt"], label=row.get("label"), action=action,
-                                      observation=observation, messages=messages, turn=turn,
-                                      sampling_params=params, row=row,
-                                      finish_reason=out["finish_reason"]))
+                                            observation=observation, messages=messages, turn=turn,
+                                            sampling_params=params, row=row,
+                                            finish_reason=out["finish_reason"]))
         reward = float(result.reward)
         if not math.isfinite(reward):
             raise ValueError(f"agent returned a non-finite reward {result.reward!r}")
