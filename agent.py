@@ -123,6 +123,7 @@ class Trajectory:
 
 
 Generate = Callable[..., Awaitable[dict]]   # (prompt_ids, sampling[, images]) -> dict (generator.py)
+Call = Callable[..., Awaitable[Any]]        # (fn, *args) -> what fn(*args) returns, run where agent code runs
 
 
 class DropRollout(Exception):
@@ -251,14 +252,17 @@ def observation_ids(tokenizer, messages: list[dict], reply_ids: list[int],
 
 async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
                   sampling: dict, max_len: int, max_turns: int | None = None,
-                  image_tokens=None, max_images: int | None = None) -> Trajectory:
+                  image_tokens=None, max_images: int | None = None, call: Call | None = None) -> Trajectory:
     """Run one episode of `env` on `row`; returns its token-exact trajectory. For a
     vision-language model `image_tokens` (vision.ImageTokens) places the row's images
     (row["images"]) and the observations' (Result.images); a trajectory shows at most
-    `max_images` (the engine's per-request limit): an observation over it ends the episode."""
+    `max_images` (the engine's per-request limit): an observation over it ends the episode.
+    `call(fn, *args)` runs the env's own code (reset, step): the loop passes one that runs it
+    on an agent thread (faults.AgentThreads), so a blocking step cannot freeze the loop."""
+    call = call or _call_here
     images = image_tokens.uris(row.get("images")) if image_tokens else _no_images(row.get("images"))
     messages = with_images(_messages(row["prompt"]), images)
-    await env.reset(row)
+    await call(env.reset, row)
     traj = Trajectory(tokens=[], mask=[], logprobs=[], versions=[], reward=0.0, images=images)
     prompt = _encode(tokenizer, _render(tokenizer, messages, add_generation_prompt=True))
     traj.add(image_tokens.expand(prompt, images) if images else prompt, False)
@@ -275,10 +279,10 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
         traj.add(out["token_ids"], True, out["logprobs"], out.get("versions", out["version"]))
         action = decode_reply(tokenizer, out["token_ids"])
         messages.append({"role": "assistant", "content": action})
-        result = await env.step(State(prompt=row["prompt"], label=row.get("label"), action=action,
-                                      observation=observation, messages=messages, turn=turn,
-                                      sampling_params=params, row=row,
-                                      finish_reason=out["finish_reason"]))
+        result = await call(env.step, State(prompt=row["prompt"], label=row.get("label"), action=action,
+                                            observation=observation, messages=messages, turn=turn,
+                                            sampling_params=params, row=row,
+                                            finish_reason=out["finish_reason"]))
         reward = float(result.reward)
         if not math.isfinite(reward):
             raise ValueError(f"agent returned a non-finite reward {result.reward!r}")
@@ -320,6 +324,11 @@ def _override(params: dict, new: dict | None) -> dict:
     return new or {}
 
 
+async def _call_here(fn: Callable, *args) -> Any:
+    """Run agent code in this event loop (tests; the loop runs it on agent threads)."""
+    return await fn(*args)
+
+
 def _no_images(images: Any) -> list:
     if images:
         raise ValueError("this rollout has images but the model has no vision tower: use a vision-language "
@@ -353,7 +362,8 @@ class ChatAgent(_Agent):
 
 
 async def run_chat_agent(agent: ChatAgent, row: dict, generate: Generate, tokenizer, server: ChatServer, *,
-                         sampling: dict, max_len: int, image_tokens=None) -> list[Trajectory]:
+                         sampling: dict, max_len: int, image_tokens=None,
+                         call: Call | None = None) -> list[Trajectory]:
     """Run one `agent.run` on `row` through a fresh session of `server` (started, in this
     event loop). Returns the rollout's segments, each carrying its reward, score and info.
     A row's images appear in `ctx.messages` as OpenAI `image_url` parts with data URIs."""
@@ -369,7 +379,7 @@ async def run_chat_agent(agent: ChatAgent, row: dict, generate: Generate, tokeni
                       messages=messages, label=row.get("label"), row=row,
                       sampling_params=dict(sampling))
     try:
-        result = await agent.run(ctx)
+        result = await (call or _call_here)(agent.run, ctx)
     except Exception:
         if session.error is None:
             raise

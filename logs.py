@@ -6,7 +6,9 @@
     plot(["runs/a", "runs/b"], "compare.png")    # reward, length, KL/mismatch, step time
 
 and what the loop reports: `batch_metrics` (reward, lengths, info of a step's
-rollouts), the progress bar, the end-of-run `summarize`.
+rollouts), the progress bar, the end-of-run `summarize`; and a run's records as a whole
+(`earlier_records`: what a fresh run refuses to overwrite without --overwrite;
+`complete_checkpoints`: the checkpoints that --resume may use).
 
 The run's flags (config.json in the run folder, written by loop.run) are also
 recorded in each backend: TensorBoard hparams + a "config" text, W&B config,
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -213,6 +216,71 @@ def batch_metrics(trajs: list[dict]) -> dict:
         "segments_per_rollout": len(trajs) / len(rs),
         **{f"info/{k}": sum(r["info"].get(k, 0.0) for r in rs) / len(rs) for k in info_keys},
     }
+
+
+# ---------------------------------------------------------------- a run's records
+
+# What a run writes into --output_dir: a fresh run refuses to start over any of them (--overwrite).
+RECORDS = ("config.json", "metrics.jsonl", "metrics.png", "checkpoints", "final", "tensorboard", "mlruns", "wandb")
+
+
+def complete_checkpoints(out: Path) -> list[Path]:
+    """The checkpoints of OUTPUT_DIR that were written to the end (renamed from .tmp), oldest first."""
+    root = Path(out) / "checkpoints"
+    found = [p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
+             and (p / "loop.json").is_file()] if root.is_dir() else []
+    return sorted(found)
+
+
+async def save_checkpoint(out: Path, write, state: dict, keep: int):
+    """Write a checkpoint: `await write(folder)` (the trainer's state) and the loop `state` go
+    into step_N.tmp, which is then renamed to step_N: a checkpoint interrupted mid-write is
+    never mistaken for a complete one. Keeps the last `keep` complete checkpoints."""
+    root = Path(out) / "checkpoints"
+    final, tmp = root / f"step_{state['step']:06d}", root / f"step_{state['step']:06d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        await write(str(tmp / "trainer"))
+        (tmp / "loop.json").write_text(json.dumps(state))
+    except BaseException:  # stopped or failed mid-write: leave no half checkpoint
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    for old in complete_checkpoints(out)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_interrupted_checkpoints(out: Path):
+    for tmp in (Path(out) / "checkpoints").glob("step_*.tmp"):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def earlier_records(cfg: dict) -> list[str]:
+    """What an earlier run left that a fresh run with `cfg` would overwrite."""
+    out = Path(cfg["output_dir"])
+    found = [str(out / name) for name in RECORDS if (out / name).exists()]
+    export = cfg.get("export_hf")
+    if export and (Path(export) / "config.json").is_file() and str(Path(export)) not in found:  # a model folder
+        found.append(str(export))
+    dump = cfg.get("dump_rollouts")
+    if dump and any(Path(dump).glob("step_*.jsonl")):
+        found.append(f"{dump}/step_*.jsonl")
+    return found
+
+
+def clear_records(cfg: dict):
+    """--overwrite: remove the earlier run's records (only those `earlier_records` names)."""
+    for name in earlier_records(cfg):
+        path = Path(name)
+        if name.endswith("step_*.jsonl"):
+            for f in path.parent.glob("step_*.jsonl"):
+                f.unlink()
+        elif path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def keep_metrics(path: Path, last_step: int):

@@ -23,7 +23,6 @@ import itertools
 import json
 import logging
 import os
-import shutil
 import sys
 import time
 import traceback
@@ -33,10 +32,12 @@ from pathlib import Path
 
 import agent as agents
 import data
+import faults
 import logs
 import vision
 from generator import Engines, start_engines
 from server import ChatServer
+from logs import complete_checkpoints
 from trainer import TrainerGroup
 
 log = logging.getLogger("molt")
@@ -53,8 +54,9 @@ def prompt_rows(cfg: dict, agent_cls: type):
 class RolloutPool:
     """Keeps prompt groups generating; finished groups wait in `done` in finish order."""
 
-    def __init__(self, cfg: dict, agent_cls: type, rows, generate, tokenizer, server=None):
-        self.cfg, self.agent_cls, self.rows, self.server = cfg, agent_cls, rows, server
+    def __init__(self, cfg: dict, agent_cls: type, rows, generate, tokenizer, server=None,
+                 threads: faults.AgentThreads | None = None):
+        self.cfg, self.agent_cls, self.rows, self.server, self.threads = cfg, agent_cls, rows, server, threads
         self.generate, self.tokenizer = generate, tokenizer
         self.done: asyncio.Queue = asyncio.Queue()
         self.started = 0          # groups started so far
@@ -63,6 +65,8 @@ class RolloutPool:
         self.drops: Counter = Counter()
         self.filtered = 0         # groups dropped by --filter_groups
         self.logged: set[str] = set()
+        self.last_failure = ""    # the latest drop's detail (traceback), for the error that stops a run
+        self.failed_in_a_row = 0  # groups, in finish order, whose every rollout failed
         self.rollout_ids = itertools.count()
 
     def fill(self, allowed: int):
@@ -89,11 +93,14 @@ class RolloutPool:
     async def _rollout(self, group: int, row: dict) -> list:
         """One rollout as its trajectory segments (an Env gives one; a ChatAgent one per
         prefix rewrite); [] if the agent failed."""
+        thread = self.threads.take() if self.threads else None
         try:
             segments = await run_agent(self.cfg, self.agent_cls, row, self.generate.session(), self.tokenizer,
-                                       self.server, self.sampling())
+                                       self.server, self.sampling(), thread.call if thread else None)
         except asyncio.TimeoutError:
-            self._drop("timeout", f"rollout exceeded --agent_timeout {self.cfg['agent_timeout']}s")
+            stuck = thread is not None and thread.blocked_for() > 1.0  # the agent's code blocks its thread
+            self._drop("timeout", f"rollout exceeded --agent_timeout {self.cfg['agent_timeout']}s"
+                       + (f"; the agent's code is blocking its thread at:\n{thread.stack()}" if stuck else ""))
             return []
         except agents.DropRollout as e:
             self._drop(e.reason, str(e))
@@ -103,6 +110,9 @@ class RolloutPool:
                 raise
             self._drop("error", "".join(traceback.format_exception(e)))
             return []
+        finally:
+            if thread is not None:
+                self.threads.give_back(thread)
         rollout_id = next(self.rollout_ids)
         for seg in segments:
             seg.group, seg.rollout_id = group, rollout_id
@@ -110,6 +120,7 @@ class RolloutPool:
 
     def _drop(self, reason: str, detail: str):
         self.drops[reason] += 1
+        self.last_failure = f"({reason}) {detail}"
         key = reason + detail.splitlines()[-1]
         if key not in self.logged:  # each distinct failure is logged once, then counted
             self.logged.add(key)
@@ -124,23 +135,26 @@ class RolloutPool:
             task.cancel()
 
 
-async def run_agent(cfg: dict, agent_cls: type, row: dict, generate, tokenizer, server, sampling: dict) -> list:
-    """One rollout of either agent form, within --agent_timeout; returns its segments."""
+async def run_agent(cfg: dict, agent_cls: type, row: dict, generate, tokenizer, server, sampling: dict,
+                    call=None) -> list:
+    """One rollout of either agent form, within --agent_timeout; returns its segments. `call`
+    runs the agent's own code (an agent thread's `call`; None: in this loop)."""
     images = vision.image_tokens(cfg["model"])  # None for a text model
     if issubclass(agent_cls, agents.ChatAgent):
         run = agents.run_chat_agent(agent_cls(), row, generate, tokenizer, server, sampling=sampling,
-                                    max_len=cfg["max_len"], image_tokens=images)
+                                    max_len=cfg["max_len"], image_tokens=images, call=call)
     else:
         run = agents.run_env(agent_cls(), row, generate, tokenizer, sampling=sampling, max_len=cfg["max_len"],
                              max_turns=cfg["max_turns"], image_tokens=images,
-                             max_images=cfg["max_images_per_prompt"])
+                             max_images=cfg["max_images_per_prompt"], call=call)
     result = await asyncio.wait_for(run, timeout=cfg["agent_timeout"])
     return result if isinstance(result, list) else [result]
 
 
 async def collect(pool: RolloutPool, cfg: dict, version: int, first_step: bool) -> list[dict]:
     """Wait for --prompts_per_step usable groups; empty (all rollouts dropped) and, with
-    --filter_groups, all-equal-reward groups are replaced by new ones from the pool."""
+    --filter_groups, all-equal-reward groups are replaced by new ones from the pool. Stops the
+    run when the first step's first groups all fail, or --max_failed_groups fail in a row."""
     P, K = cfg["prompts_per_step"], cfg["async_depth"]
     groups, empty = [], 0
     pool.fill((version + K + 1) * P)
@@ -152,30 +166,44 @@ async def collect(pool: RolloutPool, cfg: dict, version: int, first_step: bool) 
         if not rewards:
             empty += 1
             pool.refill += 1
+            pool.failed_in_a_row += 1
             if empty >= P and first_step and not groups:
                 raise RuntimeError(f"every rollout of the first {empty} groups failed "
-                                   f"({dict(pool.drops)}); see the tracebacks above")
+                                   f"(dropped rollouts: {dict(pool.drops)}); the last failure: {pool.last_failure}")
+            if pool.failed_in_a_row >= cfg["max_failed_groups"]:
+                raise RuntimeError(f"every rollout of the last {pool.failed_in_a_row} groups failed (--max_failed_groups "
+                                   f"{cfg['max_failed_groups']}; dropped rollouts so far: {dict(pool.drops)}); "
+                                   f"the last failure: {pool.last_failure}")
         elif cfg["filter_groups"] and len(rewards) > 1 and max(rewards) == min(rewards):
+            pool.failed_in_a_row = 0
             pool.filtered += 1  # no signal in this group: replace it
             pool.refill += 1
         else:
+            pool.failed_in_a_row = 0
             groups.append(group)
         pool.fill((version + K + 1) * P)
     return groups
 
 
-async def evaluate(cfg: dict, client, agent_cls: type, tokenizer, rows: list[dict], server=None) -> dict:
+async def evaluate(cfg: dict, client, agent_cls: type, tokenizer, rows: list[dict], server=None,
+                   threads: faults.AgentThreads | None = None) -> dict:
     """Mean reward and pass@k (a rollout passes when its reward reaches 1) on held-out rows."""
     k = cfg["eval_samples"]
     sampling = {"temperature": cfg["eval_temperature"], "max_tokens": cfg["max_new_tokens"]}
+    own_threads = threads is None
+    threads = threads or faults.AgentThreads()
 
     async def one(row):
+        thread = threads.take()
         try:
-            return (await run_agent(cfg, agent_cls, row, client.session(), tokenizer, server, sampling))[0].reward
+            return (await run_agent(cfg, agent_cls, row, client.session(), tokenizer, server, sampling,
+                                    thread.call))[0].reward
         except Exception as e:  # an eval rollout that fails scores 0, like a wrong answer
             if client.is_engine_error(e):
                 raise
             return 0.0
+        finally:
+            threads.give_back(thread)
 
     own_server = server is None and issubclass(agent_cls, agents.ChatAgent)
     if own_server:  # --eval_only: no training loop has started one
@@ -186,6 +214,8 @@ async def evaluate(cfg: dict, client, agent_cls: type, tokenizer, rows: list[dic
     finally:
         if own_server:
             await server.stop()
+        if own_threads:
+            threads.close()
     by_row = [rewards[i * k:(i + 1) * k] for i in range(len(rows))]
     return {"eval/reward_mean": sum(rewards) / len(rewards),
             f"eval/pass@{k}": sum(max(r) >= 1.0 for r in by_row) / len(by_row)}
@@ -207,14 +237,18 @@ async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, to
     if client is not None and issubclass(agent_cls, agents.ChatAgent):
         server = ChatServer()  # loopback OpenAI/Anthropic endpoint for the agents' SDKs
         await server.start()
-    pool = RolloutPool(cfg, agent_cls, rows, client, tokenizer, server)
     replay = sorted(Path(cfg["replay_rollouts"]).glob("step_*.jsonl")) if cfg["replay_rollouts"] else None
     held_out = eval_rows(cfg, agent_cls) if cfg["eval_every"] and client else []
     version = start["version"]  # policy version now in the engine
     history = []
+    threads = faults.AgentThreads()  # agent code runs off this loop (a blocking step stalls only its thread)
+    pool = RolloutPool(cfg, agent_cls, rows, client, tokenizer, server, threads)
+    watchdog = faults.Watchdog(asyncio.get_running_loop(), threads).start()
+    faults.cancel_on_stop(asyncio.current_task())  # a stop signal cancels the loop: every finally runs
     try:
         for step in range(start["step"], cfg["steps"]):
             t_step = time.perf_counter()
+            faults.set_phase(f"step {step + 1} (generating)")
             if replay is not None:  # retrain on dumped batches: no engine at all
                 trajs = [json.loads(line) for line in replay[step].read_text().splitlines()]
                 groups = None
@@ -230,9 +264,11 @@ async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, to
             if groups:
                 metrics["start_version_lag"] = version - min(g["start_version"] for g in groups)
             t_train = time.perf_counter()
+            faults.set_phase(f"step {step + 1} (training)")
             metrics.update(await trainer.train_step(trajs))
             train_s = time.perf_counter() - t_train
             version += 1
+            faults.set_phase(f"step {step + 1} (weight sync)")
             if client is not None:
                 metrics["weight_sync_s"] = await engines.update_weights(trainer, version)
                 busy = await engines.busy_seconds()
@@ -250,7 +286,8 @@ async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, to
                     **{f"dropped/{k}": v for k, v in pool.drops.items()},
                 })
             if held_out and (step + 1) % cfg["eval_every"] == 0:
-                metrics.update(await evaluate(cfg, client, agent_cls, tokenizer, held_out, server))
+                faults.set_phase(f"step {step + 1} (eval)")
+                metrics.update(await evaluate(cfg, client, agent_cls, tokenizer, held_out, server, threads))
             if metrics.get("mismatch_k3", 0.0) > MISMATCH_WARN and not history:
                 log.warning("engine and trainer disagree on the sampled tokens' logprobs (k3 %.2e). Likely causes: "
                             "different dtypes (bf16 engine vs fp32 trainer), an incomplete weight sync "
@@ -259,37 +296,19 @@ async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, to
             history.append(metrics)
             on_step(metrics)
             if cfg["save_every"] and ((step + 1) % cfg["save_every"] == 0 or step + 1 == cfg["steps"]):
-                save_checkpoint(out, trainer, {"step": step + 1, "version": version,
-                                               "rows_started": start["rows_started"] + pool.started},
-                                cfg["keep_checkpoints"])
+                faults.set_phase(f"step {step + 1} (checkpointing)")
+                await logs.save_checkpoint(out, lambda folder: trainer.call("save_checkpoint", folder),
+                                           {"step": step + 1, "version": version,
+                                            "rows_started": start["rows_started"] + pool.started},
+                                           cfg["keep_checkpoints"])
     finally:
+        faults.cancel_on_stop(None)
         pool.cancel()
+        watchdog.close()
+        threads.close()
         if server is not None:
             await server.stop()
     return history
-
-
-def save_checkpoint(out: Path, trainer, state: dict, keep: int):
-    """Write the trainer state and the loop state into a temporary folder, then rename it:
-    a checkpoint interrupted mid-write is never mistaken for a complete one."""
-    import ray
-    root = out / "checkpoints"
-    final, tmp = root / f"step_{state['step']:06d}", root / f"step_{state['step']:06d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    ray.get(trainer.call("save_checkpoint", str(tmp / "trainer")))
-    (tmp / "loop.json").write_text(json.dumps(state))
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(tmp, final)
-    for old in complete_checkpoints(out)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def complete_checkpoints(out: Path) -> list[Path]:
-    root = out / "checkpoints"
-    found = [p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
-             and (p / "loop.json").is_file()] if root.is_dir() else []
-    return sorted(found)
 
 
 def start_ray(cfg: dict):
@@ -298,22 +317,35 @@ def start_ray(cfg: dict):
     env = {"PYTHONPATH": os.pathsep.join(str(Path(p).resolve()) for p in paths if p),
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-           "VLLM_CONFIGURE_LOGGING": os.environ.get("VLLM_CONFIGURE_LOGGING", "1")}
+           "VLLM_CONFIGURE_LOGGING": os.environ.get("VLLM_CONFIGURE_LOGGING", "1"),
+           faults.TAG: os.environ[faults.TAG]}  # on a cluster, the actors' tag comes only from here
     if cfg["ray_address"] is None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local cluster
-    ray.init(address=cfg["ray_address"], include_dashboard=False, logging_level=logging.WARNING,
+    # "local": a new local cluster, never one found in /tmp/ray/ray_current_cluster (a stale file
+    # there made ray.init retry a dead GCS for minutes, deaf to Ctrl-C and SIGTERM)
+    ray.init(address=cfg["ray_address"] or "local", include_dashboard=False, logging_level=logging.WARNING,
              runtime_env={"env_vars": env}, log_to_driver=cfg["verbose"])
+    faults.catch_stop_signals()  # ray.init sets a SIGTERM handler of its own (sys.exit): ours again
     return ray
 
 
 def run(cfg: dict) -> dict:
+    """`run_tagged`, guarded (faults.guarded): SIGINT/SIGTERM raise `faults.Stopped`, and no
+    process of the run or interrupted checkpoint outlives it, however it ends."""
+    return faults.guarded(Path(cfg["output_dir"]), lambda: run_tagged(cfg))
+
+
+def run_tagged(cfg: dict) -> dict:
     """Set up Ray, the engine and the trainer, run the loop, export, summarize."""
     from transformers import AutoTokenizer
 
     t0 = time.perf_counter()
     out = Path(cfg["output_dir"])
+    if cfg["overwrite"]:
+        logs.clear_records(cfg)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(cfg, indent=1, default=str))
+    if not cfg["eval_only"]:  # an eval of a finished run must not replace the run's config
+        (out / "config.json").write_text(json.dumps(cfg, indent=1, default=str))
     agent_cls = agents.load_agent(cfg["agent"])
     tokenizer = AutoTokenizer.from_pretrained(cfg["model"])
     start = {"step": 0, "version": 0, "rows_started": 0}
@@ -348,9 +380,12 @@ def run(cfg: dict) -> dict:
             bar.set_postfix(reward=f"{m['reward_mean']:.3f}", s_per_step=f"{m['step_s']:.2f}",
                             tok_per_s=f"{m['tokens_per_s']:.0f}", mismatch=f"{m.get('mismatch_k3', 0.0):.1e}")
 
-        history = asyncio.run(train(cfg, engines, trainer, agent_cls, tokenizer, on_step, start))
-        bar.close()
-        metrics_file.close()
+        try:
+            history = asyncio.run(train(cfg, engines, trainer, agent_cls, tokenizer, on_step, start))
+        finally:  # a stopped run's records are closed too (W&B/MLflow runs finished, not left open)
+            bar.close()
+            metrics_file.close()
+        faults.set_phase("export")
         final = ray.get(trainer.call("export", cfg["export_hf"])) if cfg["export_hf"] else None
         if engines is not None:
             engines.shutdown()

@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--trust_remote_code", action="store_true", help="let vLLM and transformers run code from the "
                    "model folder (set for --model tiny-vlm, whose folder holds a CPU-machine video-processor shim)")
     g.add_argument("--output_dir", default="runs/latest", help="where metrics, config and the final model go")
+    g.add_argument("--overwrite", action="store_true", help="replace an earlier run's records in --output_dir "
+                   "(metrics, plots, config, checkpoints, export) instead of refusing to start")
 
     g = p.add_argument_group("rollout")
     g.add_argument("--prompts_per_step", type=int, default=32, help="prompt groups per optimizer step")
@@ -58,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling (1.0 = off; < 1 only with --is_level off: "
                    "the engine's logprobs are then of the truncated distribution, the trainer's of the full one)")
     g.add_argument("--agent_timeout", type=float, default=300.0, help="seconds before a rollout is dropped")
+    g.add_argument("--max_failed_groups", type=int, default=100, help="stop the run when this many prompt groups "
+                   "in a row had every rollout fail (with the counts and the last traceback)")
     g.add_argument("--gpu_memory_utilization", type=float, default=0.5, help="vLLM memory share on GPU")
 
     g = p.add_argument_group("loop")
@@ -295,12 +299,16 @@ def validate(cfg: dict) -> dict:
         import data
         data.dataset_rows(cfg, cfg["eval_dataset"])  # one clear error for a bad file
     out = Path(cfg["output_dir"])
-    has_checkpoints = any((out / "checkpoints").glob("step_*"))
-    need(not cfg["resume"] or has_checkpoints,
-         f"--resume: no checkpoints in {out / 'checkpoints'} (did the run use --save_every?)")
-    need(cfg["resume"] or cfg["eval_only"] or not has_checkpoints,
-         f"--output_dir {out} has checkpoints of an earlier run: pass --resume to continue it, "
-         "or choose another --output_dir")
+    need(cfg["max_failed_groups"] >= 1, "--max_failed_groups must be >= 1")
+    need(not (cfg["resume"] and cfg["overwrite"]), "--resume continues the run in --output_dir and --overwrite "
+         "replaces it: choose one")
+    if cfg["resume"]:
+        import logs
+        interrupted = sorted(p.name for p in (out / "checkpoints").glob("step_*.tmp"))
+        need(bool(logs.complete_checkpoints(out)), f"--resume: no complete checkpoint in {out / 'checkpoints'} "
+             + (f"(only interrupted ones: {', '.join(interrupted)}); " if interrupted else
+                "(did the run use --save_every?); ")
+             + "pass --overwrite instead of --resume to start a fresh run there")
     cfg["export_hf"] = None if cfg["export_hf"] == "none" else (cfg["export_hf"] or str(out / "final"))
     cfg["rollout_in_flight"] = cfg["rollout_in_flight"] or cfg["prompts_per_step"] * (cfg["async_depth"] + 1)
     need(cfg["rollout_in_flight"] >= cfg["prompts_per_step"],
@@ -382,6 +390,11 @@ def validate(cfg: dict) -> dict:
     data.check_prompts_fit(tokenizer, data.first_rows(cfg, agents.load_agent(cfg["agent"])), cfg["max_len"], where,
                            vision.image_tokens(cfg["model"]))
     # end data and logging
+    if not (cfg["resume"] or cfg["eval_only"] or cfg["overwrite"]):  # last: other errors come first
+        import logs
+        found = logs.earlier_records(cfg)
+        need(not found, f"--output_dir {out} holds an earlier run's records ({', '.join(found)}): pass --resume "
+             "to continue it, --overwrite to replace them, or choose another --output_dir")
     return cfg
 
 
@@ -397,5 +410,10 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    import faults
+    try:
+        main()
+    except faults.Stopped as e:  # SIGINT/SIGTERM: the run has cleaned up; say what happened in one line
+        print(f"molt: {getattr(e, 'message', e)}", file=sys.stderr)
+        sys.exit(128 + e.signum)
     sys.exit(0)

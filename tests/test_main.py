@@ -78,7 +78,7 @@ def test_algorithm_defaults_are_filled_soundly(tiny_model, argv, key, value):
     (["--partial_rollout"], "only changes anything with --async_depth >= 1"),
     (["--partial_rollout", "--async_depth", "1", "--is_level", "off"], "needs IS correction"),
     (["--replay_rollouts", "/nonexistent"], "no step_*.jsonl files"),
-    (["--resume", "--output_dir", "/tmp/molt-never-ran"], "--resume: no checkpoints"),
+    (["--resume", "--output_dir", "/tmp/molt-never-ran"], "--resume: no complete checkpoint"),
     (["--keep_checkpoints", "0"], "--keep_checkpoints must be >= 1"),
 ])
 def test_unsound_loop_combinations_are_refused(capsys, tiny_model, argv, message):

@@ -1,0 +1,331 @@
+"""Faults: a run that is stopped leaves nothing behind, and a stuck agent never hangs the loop.
+
+Stopping (loop.run uses all of this):
+  - every process of a run carries MOLT_RUN_ID=<id> in its environment (set in the driver
+    before Ray starts, so the Ray node, its workers, the vLLM engine cores and their workers
+    inherit it; also in the actors' runtime_env for an external cluster). At the end of a run,
+    however it ends, `reap` sends SIGTERM and then SIGKILL to every process still carrying it.
+  - a reaper process (`python faults.py reap ID DRIVER_PID`, its own session so a terminal's
+    Ctrl-C does not reach it) waits for the driver to end: when the driver dies without
+    cleaning up (kill -9, an OOM kill), the reaper reaps the run's processes and exits.
+  - SIGINT and SIGTERM in the driver raise `Stopped`: the step in flight is dropped, the
+    `finally` blocks shut Ray down and reap, interrupted checkpoints are removed, and main.py
+    prints one line and exits with 128 + the signal number.
+
+Never hang (the loop's agents):
+  - agent code (Env.reset/step, ChatAgent.run) runs on `AgentThreads`: a few threads, each
+    with an event loop of its own. A step that blocks its thread (time.sleep, a blocking HTTP
+    call) stalls only the rollouts on that thread; the driver's loop keeps serving the engine,
+    and --agent_timeout still fires (the drop message shows where the agent is stuck).
+  - `Watchdog` (a thread) checks that the driver's loop and the agent loops keep turning; one
+    that has not run for BLOCKED_S seconds is reported once with its thread's stack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+log = logging.getLogger("molt")
+TAG = "MOLT_RUN_ID"
+BLOCKED_S = 5.0       # an event loop silent this long is reported
+AGENT_THREADS = 16    # threads (each with its own event loop) that run agent code
+
+
+# ---------------------------------------------------------------- stopping
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGINT or SIGTERM reached the driver. A KeyboardInterrupt, so that agent code's
+    `except Exception` does not swallow it and asyncio lets it through."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
+phase = "start-up"  # what the driver is doing, for the one line a stopped run prints
+received: int | None = None  # the stop signal, once one came
+_loop_task: asyncio.Task | None = None  # the driver's loop while it runs (cancel_on_stop)
+
+
+def set_phase(now: str):
+    global phase
+    phase = now
+
+
+def cancel_on_stop(task: asyncio.Task | None):
+    """While `task` (the loop's main task) runs, a stop signal cancels it instead of raising
+    Stopped inside whichever task runs at that moment (asyncio.run's clean-up would then stop
+    half way, and the loop's `finally` would not run); `guarded` turns it into Stopped."""
+    global _loop_task
+    _loop_task = task
+
+
+def _raise_stopped(signum, frame):
+    global received
+    received = signum
+    # once: a second signal while the run cleans up is ignored (the reaper still runs)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if _loop_task is not None and not _loop_task.done():
+        _loop_task.get_loop().call_soon_threadsafe(_loop_task.cancel)
+        return
+    raise Stopped(signum)
+
+
+def catch_stop_signals() -> dict | None:
+    """SIGINT/SIGTERM raise Stopped (main thread only). Call again after ray.init, which sets
+    its own SIGTERM handler. Returns the handlers to restore."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s in old:
+        signal.signal(s, _raise_stopped)
+    return old
+
+
+def restore_signals(old: dict | None):
+    for s, handler in (old or {}).items():
+        signal.signal(s, handler)
+
+
+def tagged_pids(value: str, key: str = TAG) -> list[int]:
+    """Pids of live processes whose (initial) environment holds key=value."""
+    needle = f"{key}={value}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:  # gone, a zombie, or not ours to read
+            continue
+    return found
+
+
+def reap(run_id: str, exclude: set[int], grace_s: float = 3.0, limit_s: float = 15.0) -> list[int]:
+    """SIGTERM every process tagged with `run_id` (but `exclude`), SIGKILL those still there
+    after `grace_s`; repeat until none is left or `limit_s` passed. Returns the pids signalled."""
+    signalled: set[int] = set()
+    start = time.monotonic()
+    while time.monotonic() - start < limit_s:
+        pids = [p for p in tagged_pids(run_id) if p not in exclude]
+        if not pids:
+            break
+        late = time.monotonic() - start > grace_s
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL if late or pid in signalled else signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        signalled.update(pids)
+        time.sleep(0.2 if late else 0.5)
+    return sorted(signalled)
+
+
+class RunGuard:
+    """Tags the run's processes and guarantees they end with it (see the module docstring)."""
+
+    def __init__(self):
+        self.run_id = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self.reaper: subprocess.Popen | None = None
+
+    def __enter__(self) -> "RunGuard":
+        self.previous = os.environ.get(TAG)
+        os.environ[TAG] = self.run_id
+        self.reaper = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "reap", self.run_id,
+                                        str(os.getpid())], stdin=subprocess.PIPE, start_new_session=True,
+                                       env={k: v for k, v in os.environ.items() if k != TAG})
+        return self
+
+    def __exit__(self, *exc):
+        reap(self.run_id, exclude={os.getpid()})
+        if self.reaper is not None:
+            self.reaper.stdin.close()  # the reaper's signal that the driver is done
+            try:
+                self.reaper.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.reaper.kill()
+        if self.previous is None:
+            os.environ.pop(TAG, None)
+        else:
+            os.environ[TAG] = self.previous
+        return False
+
+
+def guarded(out: Path, run: Callable[[], Any]) -> Any:
+    """`run()` (a whole run writing into `out`) with SIGINT/SIGTERM raising Stopped and inside a
+    RunGuard; afterwards no interrupted checkpoint is left in `out` (its writer is reaped by
+    then). A Stopped gets a one-line `message`: the signal, the phase, what can be resumed."""
+    import logs
+    global received
+    old_signals, received = catch_stop_signals(), None
+    cancel_on_stop(None)
+    set_phase("start-up")
+    try:
+        with RunGuard():
+            return run()
+    except (KeyboardInterrupt, asyncio.CancelledError) as e:
+        if isinstance(e, asyncio.CancelledError) and received is None:
+            raise  # a cancellation, not a stop signal
+        # Ray turns a Stopped raised inside ray.get/wait into a plain KeyboardInterrupt
+        stopped = e if isinstance(e, Stopped) else Stopped(received or signal.SIGINT)
+        ckpts = logs.complete_checkpoints(out)
+        stopped.message = (f"{stopped} during {phase}; the step in flight was dropped; "
+                           + (f"last complete checkpoint: {ckpts[-1]} (continue with --resume)" if ckpts else
+                              "no complete checkpoint to resume from"))
+        if stopped is e:
+            raise
+        raise stopped from None
+    finally:
+        logs.remove_interrupted_checkpoints(out)
+        restore_signals(old_signals)
+
+
+def reaper_main(run_id: str, driver: int):
+    """The reaper process: wait until the driver closes our stdin or dies, then reap."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while os.getppid() == driver:
+        ready, _, _ = select.select([sys.stdin], [], [], 1.0)
+        if ready and not os.read(sys.stdin.fileno(), 1):
+            break
+    reap(run_id, exclude={os.getpid()})
+
+
+# ---------------------------------------------------------------- never hang
+
+
+class AgentThread:
+    """A daemon thread running an event loop of its own, for agent code."""
+
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        self.rollouts = 0       # rollouts now assigned to this thread
+        self.tick = time.monotonic()
+        self.reported = False
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        asyncio.set_event_loop(self.loop)
+        self.loop.call_soon(self._beat)
+        self.loop.run_forever()
+        tasks = asyncio.all_tasks(self.loop)
+        for task in tasks:
+            task.cancel()
+        self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        self.loop.close()
+
+    def _beat(self):
+        self.tick = time.monotonic()
+        self.loop.call_later(0.5, self._beat)
+
+    def blocked_for(self) -> float:
+        return time.monotonic() - self.tick
+
+    async def call(self, fn: Callable, *args) -> Any:
+        """`await fn(*args)` (or `fn(*args)`, if it is a plain function) on this thread."""
+        async def run():
+            out = fn(*args)
+            return await out if asyncio.iscoroutine(out) or isinstance(out, asyncio.Future) else out
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(), self.loop))
+
+    def stack(self) -> str:
+        frame = sys._current_frames().get(self.thread.ident)
+        return "".join(traceback.format_stack(frame)) if frame is not None else ""
+
+    def close(self):
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+class AgentThreads:
+    """AGENT_THREADS agent threads; a rollout takes the least-loaded one whose loop is not
+    blocked (a new thread if every one is: blocking agents cannot starve the others), and keeps it for all its calls (an Env's objects
+    may be bound to the loop they were made on)."""
+
+    def __init__(self, n: int = AGENT_THREADS):
+        self.threads = [AgentThread(f"molt-agent-{i}") for i in range(n)]
+
+    def take(self) -> AgentThread:
+        free = [t for t in self.threads if t.blocked_for() < 2.0]  # its loop ticks every 0.5 s when free
+        if not free and len(self.threads) < 4 * AGENT_THREADS:
+            free = [AgentThread(f"molt-agent-{len(self.threads)}")]
+            self.threads += free
+        free = free or self.threads  # all blocked, no more threads: share the least loaded
+        thread = min(free, key=lambda t: t.rollouts)
+        thread.rollouts += 1
+        return thread
+
+    def give_back(self, thread: AgentThread):
+        thread.rollouts -= 1
+
+    def close(self):
+        for t in self.threads:
+            t.close()
+
+
+class Watchdog:
+    """A thread that reports an event loop (the driver's, or an agent thread's) that has not
+    run for BLOCKED_S seconds, once per blocked stretch, with the blocked thread's stack."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, agents: AgentThreads | None = None):
+        self.loop, self.agents = loop, agents
+        self.tick = time.monotonic()
+        self.stop = threading.Event()
+        self.main_ident = threading.get_ident()
+        self.reports: list[str] = []
+        self.thread = threading.Thread(target=self._watch, name="molt-watchdog", daemon=True)
+
+    def start(self) -> "Watchdog":
+        self.loop.call_soon(self._beat)
+        self.thread.start()
+        return self
+
+    def close(self):
+        self.stop.set()
+
+    def _beat(self):
+        self.tick = time.monotonic()
+        if not self.stop.is_set():
+            self.loop.call_later(0.5, self._beat)
+
+    def _report(self, what: str, seconds: float, ident: int | None):
+        frame = sys._current_frames().get(ident)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)\n"
+        text = f"{what} has not run for {seconds:.0f}s (blocking code on it?); it is at:\n{stack}"
+        self.reports.append(text)
+        log.warning("%s", text)
+
+    def _watch(self):
+        main_reported = False
+        while not self.stop.wait(min(1.0, BLOCKED_S / 4)):
+            silent = time.monotonic() - self.tick
+            if silent >= BLOCKED_S and not main_reported:
+                self._report("the driver's event loop (rollouts, engine calls, training)", silent, self.main_ident)
+            main_reported = silent >= BLOCKED_S
+            for t in list(self.agents.threads) if self.agents else []:
+                silent = t.blocked_for()
+                if silent >= BLOCKED_S and not t.reported:
+                    self._report(f"agent thread {t.thread.name}", silent, t.thread.ident)
+                t.reported = silent >= BLOCKED_S
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "reap":
+        reaper_main(sys.argv[2], int(sys.argv[3]))
+    else:
+        raise SystemExit("usage: python faults.py reap RUN_ID DRIVER_PID")

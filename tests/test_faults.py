@@ -1,0 +1,305 @@
+"""Faults: stopping never leaks a process or a half checkpoint, bad agents never hang the run,
+and no run overwrites another's records. The run tests start `python main.py` as a user
+would (a subprocess) and find the run's processes by an environment tag (MOLT_TEST_TAG,
+inherited by everything the driver starts), not by name."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+import faults
+import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--prompts_per_step", "2", "--samples_per_prompt", "2", "--max_new_tokens", "2", "--mini_batches", "1",
+        "--no_plot", "--quiet", "--export_hf", "none"]
+
+
+def tagged(tag: str) -> list[str]:
+    """Live processes whose environment holds MOLT_TEST_TAG=tag, as 'pid cmdline'."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and f"MOLT_TEST_TAG={tag}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                found.append(f"{proc.name} {cmdline[:120]}")
+        except OSError:
+            pass
+    return found
+
+
+def wait_until(condition, what: str, timeout: float = 150.0, proc: subprocess.Popen | None = None):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc is None or proc.poll() is None, f"the run ended (rc {proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f}s"
+        time.sleep(0.2)
+
+
+def nothing_left(tag: str, timeout: float = 10.0) -> list[str]:
+    """Wait (bounded: "within a few seconds") for every tagged process to end; returns those
+    still alive. (Without the reaper, Ray's own clean-up left processes alive for longer.)"""
+    deadline = time.monotonic() + timeout
+    while tagged(tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return tagged(tag)
+
+
+RUNS: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _kill_leftover_runs():
+    """A failing test must not leave its run behind (the next tests would share the CPUs)."""
+    yield
+    for proc in RUNS:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    RUNS.clear()
+
+
+class Run:
+    """`python main.py ARGS` in its own process group (so SIGINT to the group is a terminal's
+    Ctrl-C), tagged, stderr to a file."""
+
+    def __init__(self, tmp_path: Path, args: list[str]):
+        self.tag = uuid.uuid4().hex
+        self.err_path = tmp_path / f"stderr-{self.tag}.txt"
+        env = {**os.environ, "MOLT_TEST_TAG": self.tag}
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), *args], cwd=ROOT, env=env,
+                                     stdout=subprocess.DEVNULL, stderr=self.err_path.open("w"),
+                                     start_new_session=True)
+        RUNS.append(self.proc)
+
+    def wait(self, timeout: float = 240.0) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            pytest.fail(f"the run did not end within {timeout:.0f}s; stderr:\n{self.stderr()[-3000:]}")
+
+    def stderr(self) -> str:
+        return self.err_path.read_text()
+
+
+def metric_lines(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.is_file() else []
+
+
+# ---------------------------------------------------------------- no hang
+
+BAD_AGENT = '''
+import asyncio, itertools, time
+from agent import Env, Result
+
+class WorksOnceThenBreaks(Env):
+    """Step 1's four rollouts work; after that each call raises, blocks its thread or hangs."""
+    calls = itertools.count()
+
+    @classmethod
+    def prompts(cls, seed):
+        while True:
+            yield {"prompt": "3?7=", "label": "7"}
+
+    async def step(self, state):
+        n = next(self.calls)
+        if n < 4:
+            return Result(reward=float(n % 2))
+        if n % 3 == 0:
+            raise ValueError(f"agent bug at call {n}")
+        if n % 3 == 1:
+            time.sleep(600)            # blocking code in an async step
+        await asyncio.Event().wait()   # hangs forever
+'''
+
+
+def test_agents_that_break_after_step_one_stop_the_run(tiny_model, tmp_path):
+    """Raising, blocking (time.sleep in step) and hanging agents, from step 2 on: the run stops
+    after --max_failed_groups failed groups with the counts and the last traceback; the blocked
+    agent is dropped by --agent_timeout (its thread, not the loop, is stuck) with its stack, and
+    the watchdog reports the blocked agent thread. (Five 2-rollout groups, three rounds of 3 s
+    timeouts: the block lasts past the watchdog's 5 s.)"""
+    agent = tmp_path / "bad.py"
+    agent.write_text(BAD_AGENT)
+    out = tmp_path / "run"
+    run = Run(tmp_path, ["--model", tiny_model, "--agent", str(agent), "--steps", "3", "--output_dir", str(out),
+                         "--agent_timeout", "3", "--max_failed_groups", "5", *TINY])
+    rc = run.wait()
+    err = run.stderr()
+    assert rc == 1, err[-3000:]
+    assert [m["step"] for m in metric_lines(out)] == [1]
+    assert "every rollout of the last 5 groups failed (--max_failed_groups 5" in err, err[-3000:]
+    assert "'error':" in err and "'timeout':" in err            # the counts, by reason
+    assert "ValueError: agent bug at call" in err                # the raising agent's traceback
+    assert "the agent's code is blocking its thread at:" in err and "time.sleep(600)" in err
+    assert "has not run for" in err and "agent thread molt-agent-" in err   # the watchdog's report (>= 5 s)
+    assert not nothing_left(run.tag)
+
+
+def test_agent_thread_keeps_the_loop_free_and_watchdog_names_the_blocker(monkeypatch):
+    """Unit: a step that blocks runs on an agent thread (the loop's timeout fires); a loop that
+    is blocked is reported with the stack of the code blocking it."""
+    monkeypatch.setattr(faults, "BLOCKED_S", 0.5)
+
+    async def blocking_step():
+        time.sleep(2.0)
+        return "done"
+
+    def block_the_loop_here():
+        time.sleep(1.5)
+
+    async def main_():
+        threads = faults.AgentThreads(2)
+        dog = faults.Watchdog(asyncio.get_running_loop(), threads).start()
+        thread = threads.take()
+        with pytest.raises(asyncio.TimeoutError):   # inline, the sleep would finish first
+            await asyncio.wait_for(thread.call(blocking_step), 0.2)
+        assert threads.take() is not thread         # a blocked thread gets no new rollouts
+        block_the_loop_here()
+        await asyncio.sleep(1.2)
+        dog.close()
+        threads.close()
+        return dog.reports
+
+    reports = asyncio.run(main_())
+    assert any("driver's event loop" in r and "block_the_loop_here" in r for r in reports), reports
+    assert any("agent thread" in r and "blocking_step" in r for r in reports), reports
+
+
+# ---------------------------------------------------------------- records
+
+def _refused(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as e:
+        main.main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err.replace("\n", " ")
+
+
+def test_earlier_records_are_never_overwritten_and_resume_needs_a_complete_checkpoint(capsys, tiny_model, tmp_path,
+                                                                                    monkeypatch):
+    import loop
+    monkeypatch.setattr(loop, "run", lambda cfg: pytest.fail("loop.run reached"))  # refused before Ray
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    err = _refused(capsys, ["--model", tiny_model, "--output_dir", str(out)])
+    assert "holds an earlier run's records" in err and "metrics.jsonl" in err and "--overwrite" in err
+    (out / "checkpoints" / "step_000003.tmp").mkdir(parents=True)   # interrupted mid-write
+    err = _refused(capsys, ["--model", tiny_model, "--output_dir", str(out), "--resume"])
+    assert "--resume: no complete checkpoint" in err and "step_000003.tmp" in err and "--overwrite" in err
+    err = _refused(capsys, ["--model", tiny_model, "--output_dir", str(out), "--resume", "--overwrite"])
+    assert "choose one" in err
+    export = tmp_path / "export"   # an earlier export elsewhere counts too
+    export.mkdir()
+    (export / "config.json").write_text("{}")
+    err = _refused(capsys, ["--model", tiny_model, "--output_dir", str(tmp_path / "new"), "--export_hf", str(export)])
+    assert str(export) in err
+
+
+# ---------------------------------------------------------------- stopping
+
+def test_reaper_cleans_up_after_a_killed_driver(tmp_path):
+    """Unit: a driver holding a RunGuard is SIGKILLed; the reaper ends the processes it started."""
+    tag = uuid.uuid4().hex
+    driver = tmp_path / "driver.py"
+    driver.write_text(f"import subprocess, sys, time\nsys.path.insert(0, {str(ROOT)!r})\nimport faults\n"
+                      "with faults.RunGuard():\n"
+                      "    subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+                      "    print('ready', flush=True)\n    time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, str(driver)], env={**os.environ, "MOLT_TEST_TAG": tag},
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"
+    assert len(tagged(tag)) == 3          # driver, its child, the reaper
+    proc.kill()
+    proc.wait()
+    assert not nothing_left(tag)
+
+
+def test_a_stop_signal_cancels_the_loop_so_every_finally_runs(tmp_path):
+    """Unit: SIGTERM while the loop runs: the loop's task and its children end through their
+    `finally` blocks, the run ends with Stopped(SIGTERM) carrying its one-line message, an
+    interrupted checkpoint folder is removed and the signal handlers are restored. (That no
+    asyncio clean-up noise follows the message is checked by the real-run test below.)"""
+    cleaned = []
+
+    async def rollout():
+        try:
+            await asyncio.sleep(60)
+        finally:
+            cleaned.append("rollout")
+
+    async def loop_():
+        faults.cancel_on_stop(asyncio.current_task())
+        child = asyncio.create_task(rollout())
+        try:
+            faults.set_phase("step 1 (generating)")
+            (tmp_path / "checkpoints" / "step_000001.tmp").mkdir(parents=True)
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            await child
+        finally:
+            child.cancel()
+            cleaned.append("loop")
+
+    with pytest.raises(faults.Stopped) as e:
+        faults.guarded(tmp_path, lambda: asyncio.run(loop_()))
+    assert e.value.signum == signal.SIGTERM and "rollout" in cleaned and "loop" in cleaned
+    assert e.value.message.startswith("stopped by SIGTERM during step 1 (generating)")
+    assert not list((tmp_path / "checkpoints").iterdir())
+    assert signal.getsignal(signal.SIGTERM) is not faults._raise_stopped   # handlers restored
+
+
+def test_signals_and_kill_leave_nothing_behind_and_resume_continues(tiny_model, tmp_path, capsys, monkeypatch):
+    """SIGTERM during start-up (vLLM workers up), kill -9 of the driver while training, Ctrl-C
+    while a resumed run trains: each time no process of the run survives; SIGTERM/SIGINT end
+    with one line and 128 + signal, leaving only complete checkpoints; a fresh run needs
+    --overwrite over the remains; --resume after the kill -9 starts cleanly, metrics continuous."""
+    out = tmp_path / "run"
+    common = ["--model", tiny_model, "--output_dir", str(out), *TINY, "--save_every", "1"]
+
+    # 1. SIGTERM to the driver while the engine starts (`timeout 60 python main.py` once left a
+    # VLLM::Worker spinning, re-parented to PID 1).
+    run = Run(tmp_path, [*common, "--steps", "50"])
+    wait_until(lambda: any("VLLM::" in p for p in tagged(run.tag)), "vLLM process", proc=run.proc)
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(60) == 128 + signal.SIGTERM, run.stderr()[-3000:]
+    assert run.stderr().strip().splitlines()[-1].startswith("molt: stopped by SIGTERM during start-up")
+    assert not nothing_left(run.tag)
+
+    # 2. An earlier run's records stay unless --overwrite; kill -9 of the driver while it trains.
+    (out / "metrics.jsonl").write_text('{"step": 1, "earlier_run": true}\n')
+    import loop
+    monkeypatch.setattr(loop, "run", lambda cfg: pytest.fail("loop.run reached"))
+    assert "--overwrite" in _refused(capsys, [*common, "--steps", "50"])
+    run = Run(tmp_path, [*common, "--steps", "50", "--overwrite"])
+    wait_until(lambda: len(metric_lines(out)) >= 2, "second step", proc=run.proc)  # step 1's checkpoint is done
+    run.proc.kill()
+    run.proc.wait()
+    assert not nothing_left(run.tag)       # the reaper ended Ray, the engine core and its workers
+    assert not any("earlier_run" in m for m in metric_lines(out))
+
+    # 3. The next --resume starts cleanly; Ctrl-C (SIGINT to the process group) once it has
+    # trained a step: one line, 130, only complete checkpoints, metrics continuous.
+    resumed_at = json.loads((loop.complete_checkpoints(out)[-1] / "loop.json").read_text())["step"]
+    run = Run(tmp_path, [*common, "--steps", "50", "--resume"])
+    wait_until(lambda: "resumed from" in run.stderr() and metric_lines(out)[-1]["step"] > resumed_at,
+               "a step after the resume", proc=run.proc)  # the message comes after old lines are cut
+    os.killpg(run.proc.pid, signal.SIGINT)
+    assert run.wait(60) == 128 + signal.SIGINT, run.stderr()[-3000:]
+    last = run.stderr().strip().splitlines()[-1]
+    assert last.startswith("molt: stopped by SIGINT during step") and "last complete checkpoint" in last, last
+    assert not nothing_left(run.tag)
+    steps = [m["step"] for m in metric_lines(out)]
+    assert steps == list(range(1, len(steps) + 1)) and steps[-1] > resumed_at
+    assert not list((out / "checkpoints").glob("*.tmp")) and loop.complete_checkpoints(out)
