@@ -7,6 +7,13 @@ applies, in torchtitan's order: TP plans -> EP experts -> activation
 checkpointing -> `fully_shard` per decoder block, then the root. On CPU the
 process group is gloo, on GPU nccl; the code path is the same.
 
+Placement on a Ray cluster (`reserve`, `in_bundle`, `node_facts`, `gpu_shares`): the
+trainer ranks and the engines live in placement groups of their own; `node_facts` asks a
+bundle's node for its IP, a free port and its CPU count (trainer.TrainerGroup, generator.start_engines).
+
+Under TP the LM head is vocab-parallel: `vocab_parallel_logprobs` scores each rank's slice of
+the vocabulary, so the full [B, T, V] logits never exist on one rank.
+
 Gradient reduction is a SUM over data ranks (divide factor 1): every
 micro-batch loss is already divided by the tokens of the whole optimizer step
 across all ranks, so summing gives exactly the single-process gradient.
@@ -14,7 +21,7 @@ across all ranks, so summing gives exactly the single-process gradient.
     dims = ParallelDims(world_size=4, tp=2); dims.build_mesh("cpu")
     model = parallelize(model, dims, param_dtype=torch.float32)
 
-Tested by tests/test_parallel.py (every layout against one process).
+Tested by tests/test_parallel.py (every layout against one process) and tests/test_cluster.py.
 """
 
 from __future__ import annotations
@@ -248,15 +255,17 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab: 
     start, v = rank * -(-vocab // size), z.shape[-1]
     top = z.detach().amax(-1, keepdim=True)                       # [b, n, 1] (shift: no gradient)
     dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    # Every reduced sum is a function of this rank's logits only, and everything after the sums is
+    # computed alike on every rank: that is what makes _ReduceSum's identity backward exact.
     z = z - top
-    lse = _ReduceSum.apply(z.exp().sum(-1), group).log()          # [b, n] global logsumexp
+    total = _ReduceSum.apply(z.exp().sum(-1), group)             # [b, n] sum of exp over the vocabulary
     local = targets - start
     mine = (local >= 0) & (local < v)                             # the target is in my slice
     picked = z.gather(-1, local.clamp(0, max(v - 1, 0))[..., None]).squeeze(-1) * mine
-    lp = _ReduceSum.apply(picked, group) - lse                    # [b, n]
+    lp = _ReduceSum.apply(picked, group) - total.log()            # [b, n]
     ent = None
-    if entropy:  # H = lse - sum p z
-        ent = lse - _ReduceSum.apply(((z - lse[..., None]).exp() * z).sum(-1), group)
+    if entropy:  # H = log Z - sum(exp(z) z) / Z
+        ent = total.log() - _ReduceSum.apply((z.exp() * z).sum(-1), group) / total
     return lp, ent
 
 
