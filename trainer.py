@@ -530,7 +530,8 @@ class Trainer:
         return safetensors.torch.save({k: v.contiguous() for k, v in self.sync_state_dict().items()})
 
     def weight_sync_address(self) -> tuple[str, int]:
-        """Where rank 0 hosts the broadcast group's store."""
+        """Where rank 0 hosts the broadcast group's store: its own node's IP and a port free there
+        (Engines.connect asks rank 0 itself, so the address is right on any node)."""
         import ray
         return ray.util.get_node_ip_address(), parallel.free_port()
 

@@ -28,7 +28,7 @@ TRAINER_IP, ENGINE_IP = "127.0.0.2", "127.0.0.3"
 def cluster():
     from ray.cluster_utils import Cluster
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})   # the driver's node runs nothing
-    c.add_node(num_cpus=2, resources={"trainer_node": 2}, node_ip_address=TRAINER_IP)
+    c.add_node(num_cpus=3, resources={"trainer_node": 3}, node_ip_address=TRAINER_IP)   # room for a misplaced engine
     c.add_node(num_cpus=1, resources={"engine_node": 1}, node_ip_address=ENGINE_IP)
     yield c
     c.shutdown()
@@ -54,8 +54,8 @@ def test_rendezvous_is_on_rank_0s_node(cluster, tmp_path, monkeypatch):
     ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": f"{root}:{root / 'tests'}"}})
     try:
         monkeypatch.setattr(parallel, "PLACEMENT_TIMEOUT_S", 2)
-        with pytest.raises(ValueError, match="cannot place 3 trainer rank"):   # the trainer node has 2 CPUs
-            trainer.TrainerGroup({"train_workers": 3, "trainer_resources": {"trainer_node": 0.5},
+        with pytest.raises(ValueError, match="cannot place 4 trainer rank"):   # the trainer node has 3 CPUs
+            trainer.TrainerGroup({"train_workers": 4, "trainer_resources": {"trainer_node": 0.5},
                                   "output_dir": str(tmp_path)})
         monkeypatch.setattr(parallel, "PLACEMENT_TIMEOUT_S", 60)
         driver_ip = ray.util.get_node_ip_address()
