@@ -332,7 +332,6 @@ class Engines:
         self.actors, self.check, self.broadcast = actors, check_weight_sync, broadcast
         self.workers_per_engine = workers_per_engine
         self.load = [0] * len(actors)  # prompt + max new tokens of requests in flight
-        self.nodes: list[str] = []     # each engine's node IP (start_engines)
 
     def session(self):
         chosen: list[int] = []
@@ -426,10 +425,8 @@ def start_engines(cfg: dict) -> Engines:
             tp_size=cfg["engine_tp_size"], dp_size=cfg["engine_dp_size"], expert_parallel=cfg["engine_ep"],
             spec_decode=cfg["spec_decode"], spec_tokens=cfg["spec_tokens"],
             max_images=cfg["max_images_per_prompt"], trust_remote_code=cfg["trust_remote_code"]))
-    engines = Engines(actors, cfg["check_weight_sync"], broadcast=cfg["weight_sync"] == "broadcast",
-                      workers_per_engine=per_engine)
-    engines.nodes = [f["ip"] for f in facts]
-    return engines
+    return Engines(actors, cfg["check_weight_sync"], broadcast=cfg["weight_sync"] == "broadcast",
+                   workers_per_engine=per_engine)
 
 
 def cpu_binding(nodes: list[str], cpus: dict[str, int]) -> list[str | None]:

@@ -700,7 +700,6 @@ class TrainerGroup:
             for m in markers:
                 Path(m).unlink(missing_ok=True)
         check_shared_storage(facts, markers)
-        self.nodes = [f["ip"] for f in facts]
         self.master = (facts[0]["ip"], facts[0]["port"])    # rank 0's node hosts the store
         remote = ray.remote(actor or Trainer)
         self.workers = [remote.options(num_cpus=1, num_gpus=gpus, **parallel.in_bundle(pg, i)).remote(
