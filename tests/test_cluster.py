@@ -113,3 +113,14 @@ def test_loop_on_two_nodes_places_and_trains_token_exactly(cluster, tiny_model, 
     for a in actors:
         where.setdefault(a["ActorClassName"], set()).add(a["Address"]["IPAddress"])
     assert where["Trainer"] == {TRAINER_IP} and where["Generator"] == {ENGINE_IP}, where
+
+
+def test_gpu_shares_keep_trainer_and_engine_gpus_apart():
+    cfg = {"train_workers": 6, "num_engines": 2, "engine_tp_size": 1, "engine_dp_size": 1}
+    assert parallel.gpu_shares(cfg, 0) == (0.0, 0.0)                        # CPU cluster
+    assert parallel.gpu_shares(cfg, 8) == (1.0, 1.0)                        # 6 + 2 GPUs of their own
+    assert parallel.gpu_shares({**cfg, "num_engines": 1, "engine_tp_size": 2}, 8) == (1.0, 2.0)
+    one = {"train_workers": 1, "num_engines": 1, "engine_tp_size": 1, "engine_dp_size": 1}
+    assert parallel.gpu_shares(one, 1) == (0.5, 0.5)                        # one GPU: shared
+    with pytest.raises(ValueError, match="need 10 GPUs, the Ray cluster has 8"):
+        parallel.gpu_shares({**cfg, "num_engines": 4}, 8)
