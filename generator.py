@@ -128,6 +128,9 @@ class Generator:
             logprobs_mode="processed_logprobs",
             worker_extension_cls="generator.WeightReceiver",
             tensor_parallel_size=tp_size, data_parallel_size=dp_size,
+            # Workers as local processes on the actor's node, with the GPUs Ray gave this actor: inside
+            # a placement group vLLM would otherwise pick its Ray executor and ask for GPUs again.
+            distributed_executor_backend="mp" if tp_size > 1 else None,
             enable_expert_parallel=expert_parallel,
             speculative_config=speculative_config(spec_decode, spec_tokens),
             trust_remote_code=trust_remote_code,
@@ -410,26 +413,51 @@ class Engines:
 
 
 def start_engines(cfg: dict) -> Engines:
-    """--num_engines Generator actors. On CPU each gets its own share of the cores
-    (vLLM binds every engine's OpenMP threads to core 0 by default)."""
+    """--num_engines Generator actors, one Ray bundle each (one CPU, and its --engine_tp_size x
+    --engine_dp_size GPUs on one node where the cluster has GPUs, plus --engine_resources), in
+    a placement group of their own: engine GPUs are never the trainer's. On CPU, engines that
+    share a node split that node's cores (vLLM binds every engine's OpenMP threads to core 0
+    by default); the cores are counted on the engine's node, not the driver's."""
     import ray
-    n, gpus = cfg["num_engines"], ray.cluster_resources().get("GPU", 0)
+    import parallel
+    n, gpus = cfg["num_engines"], parallel.gpu_shares(cfg, ray.cluster_resources().get("GPU", 0))[1]
     per_engine = cfg["engine_tp_size"] * cfg["engine_dp_size"]
-    cores = max(1, (os.cpu_count() or 1) // n)
+    bundle = {"CPU": 1, **({"GPU": gpus} if gpus else {}), **(cfg.get("engine_resources") or {})}
+    pg = parallel.reserve([bundle] * n, "PACK", f"{n} engine(s)")
+    facts = ray.get([parallel.node_facts(pg, i) for i in range(n)])
+    binds = cpu_binding([f["node"] for f in facts], {f["node"]: f["cpus"] for f in facts})
+    eager = cfg.get("enforce_eager")
+    eager = not gpus if eager is None else eager  # CUDA graphs on GPU; on CPU compiling only slows start-up
     actors = []
     for i in range(n):
-        env = {} if gpus or n == 1 else {"VLLM_CPU_OMP_THREADS_BIND": f"{i * cores}-{(i + 1) * cores - 1}"}
+        env = {} if gpus or binds[i] is None else {"VLLM_CPU_OMP_THREADS_BIND": binds[i]}
         actors.append(ray.remote(Generator).options(
-            num_cpus=0, num_gpus=per_engine if gpus else 0, max_concurrency=10_000,
-            runtime_env={"env_vars": env}).remote(
+            num_cpus=1, num_gpus=gpus, max_concurrency=10_000,
+            runtime_env={"env_vars": env}, **parallel.in_bundle(pg, i)).remote(
             cfg["model"], dtype=cfg["engine_dtype"] or cfg["param_dtype"], max_len=cfg["max_len"],
             seed=cfg["seed"] + i, gpu_memory_utilization=cfg["gpu_memory_utilization"],
-            partial_rollout=cfg["partial_rollout"], prefix_caching=cfg["prefix_caching"],
+            partial_rollout=cfg["partial_rollout"], prefix_caching=cfg["prefix_caching"], enforce_eager=eager,
             tp_size=cfg["engine_tp_size"], dp_size=cfg["engine_dp_size"], expert_parallel=cfg["engine_ep"],
             spec_decode=cfg["spec_decode"], spec_tokens=cfg["spec_tokens"],
             max_images=cfg["max_images_per_prompt"], trust_remote_code=cfg["trust_remote_code"]))
     return Engines(actors, cfg["check_weight_sync"], broadcast=cfg["weight_sync"] == "broadcast",
                    workers_per_engine=per_engine)
+
+
+def cpu_binding(nodes: list[str], cpus: dict[str, int]) -> list[str | None]:
+    """VLLM_CPU_OMP_THREADS_BIND of each engine ("lo-hi" cores) from the node each one runs on
+    and that node's CPU count: engines on one node split its cores (more engines than cores
+    share them round-robin); an engine alone on its node keeps vLLM's default (None)."""
+    out: list[str | None] = []
+    for i, node in enumerate(nodes):
+        peers = [j for j, m in enumerate(nodes) if m == node]
+        if len(peers) == 1:
+            out.append(None)
+            continue
+        share = max(1, cpus[node] // len(peers))
+        lo = peers.index(i) * share % cpus[node]
+        out.append(f"{lo}-{lo + share - 1}")
+    return out
 
 
 def speculative_config(method: str | None, tokens: int) -> dict | None:

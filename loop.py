@@ -312,6 +312,11 @@ async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, to
 
 
 def start_ray(cfg: dict):
+    """Start a private local Ray, or join a running cluster (--ray_address auto|HEAD:6379).
+
+    Every Ray worker, on any node, imports this code from the same absolute path (PYTHONPATH
+    below): on several machines the project and its Python environment must sit at the same
+    path on every node (shared storage, or the same checkout and install.sh on each)."""
     import ray
     paths = [ROOT, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]  # absolute: workers run elsewhere
     env = {"PYTHONPATH": os.pathsep.join(str(Path(p).resolve()) for p in paths if p),
@@ -319,12 +324,16 @@ def start_ray(cfg: dict):
            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
            "VLLM_CONFIGURE_LOGGING": os.environ.get("VLLM_CONFIGURE_LOGGING", "1"),
            faults.TAG: os.environ[faults.TAG]}  # on a cluster, the actors' tag comes only from here
+    local = {}
     if cfg["ray_address"] is None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local cluster
+        # Each trainer rank and engine reserves one CPU in its placement bundle; a small machine
+        # declares that many (they share its cores) so that every layout fits.
+        local["num_cpus"] = max(os.cpu_count() or 1, cfg["train_workers"] + (cfg["num_engines"] or 0))
     # "local": a new local cluster, never one found in /tmp/ray/ray_current_cluster (a stale file
     # there made ray.init retry a dead GCS for minutes, deaf to Ctrl-C and SIGTERM)
     ray.init(address=cfg["ray_address"] or "local", include_dashboard=False, logging_level=logging.WARNING,
-             runtime_env={"env_vars": env}, log_to_driver=cfg["verbose"])
+             runtime_env={"env_vars": env}, log_to_driver=cfg["verbose"], **local)
     faults.catch_stop_signals()  # ray.init sets a SIGTERM handler of its own (sys.exit): ours again
     return ray
 

@@ -28,6 +28,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MOLT_CACHE", Path.home() / ".cache" / "molt"))
 
 
+def resources(text: str) -> dict[str, float]:
+    """--trainer_resources / --engine_resources: a JSON object of Ray resource names to amounts."""
+    import json
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, (int, float)) and v > 0
+                                              for k, v in value.items()):
+        raise argparse.ArgumentTypeError(f'expected a JSON object of resource names to positive amounts, like '
+                                         f'\'{{"trainer_node": 0.01}}\', got {text!r}')
+    return {k: float(v) for k, v in value.items()}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="RL training of LLM agents: vLLM rollout, FSDP2 trainer, one async Ray loop.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -107,10 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weight_sync", default="auto", choices=["auto", "ray", "broadcast"],
                    help="how weights reach the engines: ray (one blob through the object store) or broadcast "
                    "(trainer rank 0 -> every engine worker, nccl on GPU, gloo on CPU); auto: broadcast where "
-                   "this machine has a GPU, else ray")
+                   "this machine has two or more GPUs (NCCL cannot pair two processes on one GPU), else ray")
     g.add_argument("--sync_bucket_mb", type=int, default=512, help="bucket size of --weight_sync broadcast (MiB)")
     g.add_argument("--check_weight_sync", action="store_true", help="fail if a weight update leaves any engine "
                    "parameter untouched")
+    g.add_argument("--enforce_eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the engine eagerly, without torch.compile / CUDA graphs (default: eager on CPU, "
+                   "CUDA graphs on GPU)")
 
     g = p.add_argument_group("algorithm")
     g.add_argument("--estimator", default="grpo", help=f"advantage estimator: {', '.join(estimators.ESTIMATORS)}")
@@ -186,7 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no_plot", action="store_true", help="no metrics.png at the end of the run")
 
     g = p.add_argument_group("infrastructure")
-    g.add_argument("--ray_address", default=None, help="Ray cluster address (default: start a local one)")
+    g.add_argument("--ray_address", default=None, help="join a running Ray cluster: 'auto' (the one `ray start` "
+                   "made on this machine) or HEAD_IP:6379 (default: start a local one)")
+    g.add_argument("--trainer_resources", type=resources, default={}, metavar="JSON",
+                   help='extra Ray resources every trainer rank\'s bundle asks for, e.g. \'{"trainer_node": 0.01}\' '
+                   "(custom resources of `ray start --resources`) to keep the trainer on chosen nodes")
+    g.add_argument("--engine_resources", type=resources, default={}, metavar="JSON",
+                   help="extra Ray resources every engine's bundle asks for (like --trainer_resources)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.add_argument("--verbose", action="store_true", help="show the actors' logs (vLLM, trainer)")
     return p
@@ -271,7 +294,8 @@ def validate(cfg: dict) -> dict:
         need(cfg[k] >= 1, f"--{k} must be >= 1, got {cfg[k]}")
     if cfg["weight_sync"] == "auto":
         import torch
-        cfg["weight_sync"] = "broadcast" if torch.cuda.is_available() else "ray"
+        # NCCL needs the trainer's and the engine's GPU to differ: with one GPU they share it.
+        cfg["weight_sync"] = "broadcast" if torch.cuda.device_count() > 1 else "ray"
     need(cfg["weight_sync"] == "ray" or cfg["engine_dp_size"] == 1,
          "--weight_sync broadcast reaches the workers of one engine core; with --engine_dp_size > 1 use "
          "--weight_sync ray (or more --num_engines instead of engine data parallelism)")

@@ -7,6 +7,13 @@ applies, in torchtitan's order: TP plans -> EP experts -> activation
 checkpointing -> `fully_shard` per decoder block, then the root. On CPU the
 process group is gloo, on GPU nccl; the code path is the same.
 
+Placement on a Ray cluster (`reserve`, `in_bundle`, `node_facts`, `gpu_shares`): the
+trainer ranks and the engines live in placement groups of their own; `node_facts` asks a
+bundle's node for its IP, a free port and its CPU count (trainer.TrainerGroup, generator.start_engines).
+
+Under TP the LM head is vocab-parallel: `vocab_parallel_logprobs` scores each rank's slice of
+the vocabulary, so the full [B, T, V] logits never exist on one rank.
+
 Gradient reduction is a SUM over data ranks (divide factor 1): every
 micro-batch loss is already divided by the tokens of the whole optimizer step
 across all ranks, so summing gives exactly the single-process gradient.
@@ -14,7 +21,7 @@ across all ranks, so summing gives exactly the single-process gradient.
     dims = ParallelDims(world_size=4, tp=2); dims.build_mesh("cpu")
     model = parallelize(model, dims, param_dtype=torch.float32)
 
-Tested by tests/test_parallel.py (every layout against one process).
+Tested by tests/test_parallel.py (every layout against one process) and tests/test_cluster.py.
 """
 
 from __future__ import annotations
@@ -118,9 +125,64 @@ class ParallelDims:
 
 
 def free_port() -> int:
+    """A TCP port free on every address of this host (a store's server listens on all of them)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
+
+
+# ---- placement on a Ray cluster ---------------------------------------------------------------
+PLACEMENT_TIMEOUT_S = 600  # a cluster that cannot hold the run says so at start-up instead of waiting forever
+
+
+def reserve(bundles: list[dict], strategy: str, what: str):
+    """A Ray placement group of `bundles` (STRICT_PACK: all on one node; PACK: as few nodes as
+    possible), waited for. A cluster that cannot hold it is one ValueError naming what was asked."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    pg = placement_group(bundles, strategy=strategy)
+    if not pg.wait(PLACEMENT_TIMEOUT_S):
+        remove_placement_group(pg)
+        raise ValueError(f"the Ray cluster cannot place {what}: {len(bundles)} bundle(s) of {bundles[0]} "
+                         f"({strategy}) did not fit in {PLACEMENT_TIMEOUT_S}s; free now: {ray.available_resources()}")
+    return pg
+
+
+def gpu_shares(cfg: dict, gpus: float) -> tuple[float, float]:
+    """GPUs per trainer rank and per engine bundle. Trainer and engine GPUs are separate where the
+    cluster has enough (--train_workers + --num_engines x engine TP x DP); a one-GPU machine runs
+    one rank and one engine on the same GPU, half each (vLLM takes --gpu_memory_utilization of it)."""
+    if not gpus:
+        return 0.0, 0.0
+    per_engine = cfg.get("engine_tp_size", 1) * cfg.get("engine_dp_size", 1)
+    engines = 0 if cfg.get("replay_rollouts") else cfg.get("num_engines", 1)
+    need = cfg["train_workers"] + engines * per_engine
+    if need <= gpus:
+        return 1.0, float(per_engine)
+    if cfg["train_workers"] == 1 and engines * per_engine == 1:
+        return 0.5, 0.5
+    raise ValueError(f"{cfg['train_workers']} trainer rank(s) + {engines} engine(s) x {per_engine} GPU(s) need {need} "
+                     f"GPUs, the Ray cluster has {gpus:g}: add GPUs or lower --train_workers / --num_engines "
+                     "(only one rank and one one-GPU engine share a GPU)")
+
+
+def in_bundle(pg, index: int) -> dict:
+    """Ray .options() that put an actor or task into bundle `index` of placement group `pg`."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)}
+
+
+def _node_facts(paths: list[str]) -> dict:
+    import ray
+    return {"ip": ray.util.get_node_ip_address(), "port": free_port(), "cpus": os.cpu_count() or 1,
+            "node": ray.get_runtime_context().get_node_id(), "sees": [os.path.exists(p) for p in paths]}
+
+
+def node_facts(pg, index: int, paths: tuple[str, ...] = ()):
+    """A Ray ref to facts about the node that holds bundle `index`, from a task run there: its IP,
+    a port free there, its CPU count, its node id, and whether each of `paths` exists there."""
+    import ray
+    return ray.remote(_node_facts).options(num_cpus=0, **in_bundle(pg, index)).remote(list(paths))
 
 
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int) -> str:
@@ -140,8 +202,10 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
 def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
     """Megatron plan for Qwen3 / Qwen3-MoE blocks: q/k/v and gate/up column-wise, o and down
     row-wise (attention heads and MLP columns split tp ways; outputs replicated). MoE experts
-    stay whole (use EP for them); embeddings and the LM head stay replicated, so logprobs see the
-    full vocabulary on every TP rank without a gather (vocab-parallel log-softmax is not done)."""
+    stay whole (use EP for them). The LM head is vocab-parallel: each rank computes the logits of
+    its 1/tp of the vocabulary and `vocab_parallel_logprobs` scores them, so no rank ever holds
+    the full [B, T, V] logits; a tied input embedding is split the same way (row-wise, dim 0)."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     for block in text_layers(model):
         plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
@@ -153,6 +217,56 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
         for norm in (block.self_attn.q_norm, block.self_attn.k_norm):   # per-head norms see only my heads
             norm.forward = types.MethodType(_tp_head_norm, norm)
             norm.tp_group = tp_mesh.get_group()
+    if not hasattr(model, "lm_head"):  # the critic: a backbone and a scalar head
+        return
+    embed = model.get_input_embeddings()
+    tied = model.lm_head.weight is embed.weight
+    plan = {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=True)}  # [b, T, V/tp] logits
+    if tied:  # one weight [V, H], Shard(0) in both roles
+        name = next(n for n, m in model.named_modules() if m is embed)
+        plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    parallelize_module(model, tp_mesh, plan)
+    if tied:
+        model.lm_head.weight = embed.weight   # distributing each module separately untied them
+
+
+class _ReduceSum(torch.autograd.Function):
+    """all_reduce(SUM) forward; identity backward: the sum feeds a loss that every rank of the
+    group computes alike, so each rank's share gets that loss's gradient once."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab: int, group,
+                            entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log_softmax(logits)[targets] [b, n] (and the entropy [b, n]) from this TP rank's vocabulary
+    slice `logits` [b, n, V/tp] (torch.chunk order, as Shard(-1) splits it). Max, sum of exp and
+    the target's logit are all-reduced over `group`: [b, n] tensors, never [b, n, V]."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    z = logits.float()
+    start, v = rank * -(-vocab // size), z.shape[-1]
+    top = z.detach().amax(-1, keepdim=True)                       # [b, n, 1] (shift: no gradient)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    # Every reduced sum is a function of this rank's logits only, and everything after the sums is
+    # computed alike on every rank: that is what makes _ReduceSum's identity backward exact.
+    z = z - top
+    total = _ReduceSum.apply(z.exp().sum(-1), group)             # [b, n] sum of exp over the vocabulary
+    local = targets - start
+    mine = (local >= 0) & (local < v)                             # the target is in my slice
+    picked = z.gather(-1, local.clamp(0, max(v - 1, 0))[..., None]).squeeze(-1) * mine
+    lp = _ReduceSum.apply(picked, group) - total.log()            # [b, n]
+    ent = None
+    if entropy:  # H = log Z - sum(exp(z) z) / Z
+        ent = total.log() - _ReduceSum.apply((z.exp() * z).sum(-1), group) / total
+    return lp, ent
 
 
 class _SumGrad(torch.autograd.Function):

@@ -177,6 +177,7 @@ class Trainer:
                                           cp=cfg.get("cp_size", 1), ep=cfg.get("ep_size", 1))
         config = AutoConfig.from_pretrained(cfg["model"])
         self.dims.check_model(config)
+        self.vocab = config.get_text_config().vocab_size  # the LM head's rows (split tp ways under TP)
         self.mesh = self.dims.build_mesh(self.device)
         self.dtype = getattr(torch, cfg["param_dtype"])
         self.tokenizer = AutoTokenizer.from_pretrained(cfg["model"])
@@ -321,11 +322,14 @@ class Trainer:
         """(logprobs of the targets [b, T], entropy [b, T] or None) under `model`, on the grid."""
         b, n = x["targets"].shape
         with parallel.routing(model, replay=x["replay"]):
-            logits = model(**x["inputs"]).logits[:b, :n].float() / self.cfg["temperature"]   # [b, n, V]
-        lp = losses.token_logprobs(logits, x["targets"])
+            logits = model(**x["inputs"]).logits[:b, :n].float() / self.cfg["temperature"]   # [b, n, V or V/tp]
+        if self.dims.tp > 1:  # vocab-parallel LM head: this rank's slice of the vocabulary
+            lp, ent = parallel.vocab_parallel_logprobs(logits, x["targets"], self.vocab, self.dims.group("tp"), entropy)
+        else:
+            lp, ent = losses.token_logprobs(logits, x["targets"]), (losses.entropy(logits) if entropy else None)
         # Keep autograd: unpack with a differentiable scatter onto the grid.
         grid = lambda v: _scatter(v, x, self.device)
-        return grid(lp), (grid(losses.entropy(logits)) if entropy else None)
+        return grid(lp), (grid(ent) if entropy else None)
 
     def _values(self, x: dict) -> torch.Tensor:
         b, n = x["targets"].shape
@@ -530,7 +534,8 @@ class Trainer:
         return safetensors.torch.save({k: v.contiguous() for k, v in self.sync_state_dict().items()})
 
     def weight_sync_address(self) -> tuple[str, int]:
-        """Where rank 0 hosts the broadcast group's store."""
+        """Where rank 0 hosts the broadcast group's store: its own node's IP and a port free there
+        (Engines.connect asks rank 0 itself, so the address is right on any node)."""
         import ray
         return ray.util.get_node_ip_address(), parallel.free_port()
 
@@ -576,34 +581,40 @@ class Trainer:
         return self.version
 
     # ---- checkpoints ------------------------------------------------------------------------
-    def _ckpt_state(self) -> dict:
+    def _ckpt_state(self) -> tuple[dict, dict]:
+        """(what DCP saves/loads, the state dicts it views). MoE experts appear one entry per
+        expert (`_split_experts`), views of this rank's rows, so a load fills them in place."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
-        msd, osd = get_state_dict(self.model, self.optimizer)
-        state = {"model": _ep_keys(msd, self), "optim": _ep_keys(osd, self),
-                 "version": torch.tensor(self.version)}
+        dicts = {"model": get_state_dict(self.model, self.optimizer)}
         if self.critic is not None:
-            csd, cosd = get_state_dict(self.critic, self.critic_optimizer)
-            state.update(critic=csd, critic_optim=cosd)
-        return state
+            dicts["critic"] = get_state_dict(self.critic, self.critic_optimizer)
+        state = {"version": torch.tensor(self.version)}
+        for name, (msd, osd) in dicts.items():   # keys: model, optim, critic, critic_optim
+            state[name] = _split_experts(msd, self.dims)
+            state[OPTIM_KEY[name]] = _split_experts(osd, self.dims)
+        return state, dicts
 
     def save_checkpoint(self, path: str) -> str:
         """Model, optimizer, critic (+ its optimizer) and version with torch.distributed.checkpoint:
-        every rank writes its own shards (all ranks must call it). EP checkpoints reload under the
-        same --ep_size; other layouts reshard on load."""
+        every rank writes its own shards (all ranks must call it). The checkpoint does not depend
+        on the layout: DTensors reshard on load, MoE experts are stored one per expert, so it
+        resumes under other --train_workers / --tp_size / --ep_size."""
         import torch.distributed.checkpoint as dcp
-        dcp.save(self._ckpt_state(), checkpoint_id=path)
+        dcp.save(self._ckpt_state()[0], checkpoint_id=path)
         return path
 
     def load_checkpoint(self, path: str) -> int:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
-        state = self._ckpt_state()
+        state, dicts = self._ckpt_state()
         dcp.load(state, checkpoint_id=path)
-        set_state_dict(self.model, self.optimizer, model_state_dict=_ep_keys(state["model"], self, back=True),
-                       optim_state_dict=_ep_keys(state["optim"], self, back=True))
-        if self.critic is not None:
-            set_state_dict(self.critic, self.critic_optimizer, model_state_dict=state["critic"],
-                           optim_state_dict=state["critic_optim"])
+        for name, module, optimizer in (("model", self.model, self.optimizer),
+                                        ("critic", self.critic, self.critic_optimizer)):
+            if name in dicts:  # the views were filled in place; param_groups come from the checkpoint
+                msd, osd = dicts[name]
+                groups = state[OPTIM_KEY[name]]["param_groups"]
+                set_state_dict(module, optimizer, model_state_dict=msd,
+                               optim_state_dict={"state": osd["state"], "param_groups": groups})
         self.version = int(state["version"])
         return self.version
 
@@ -617,33 +628,86 @@ def _scatter(v: torch.Tensor, x: dict, device) -> torch.Tensor:
     return flat[where].view(probe.shape)
 
 
-def _ep_keys(sd: dict, trainer: "Trainer", back: bool = False) -> dict:
-    """EP ranks hold different experts under the same names: tag them with the EP rank so the
-    checkpoint keeps them apart (and untag on load)."""
-    if trainer.dims.ep == 1:
-        return sd
-    tag = f"@ep{trainer.dims.ep_mesh['ep'].get_local_rank()}"
-    rename = ((lambda k: k[:-len(tag)] if k.endswith(tag) else k) if back
-              else (lambda k: k + tag if ".mlp.experts." in k else k))
-    if "state" in sd and "param_groups" in sd:  # an optimizer state dict
-        return {"state": {rename(k): v for k, v in sd["state"].items()},
-                "param_groups": [{**g, "params": [rename(k) for k in g["params"]]} for g in sd["param_groups"]]}
-    return {rename(k): v for k, v in sd.items()}
+OPTIM_KEY = {"model": "optim", "critic": "critic_optim"}
+EXPERT_PARAMS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")  # fused [E, ...] (transformers 5)
+
+
+def _expert_rows(v: torch.Tensor, dims: parallel.ParallelDims) -> tuple[torch.Tensor, int]:
+    """This rank's rows of a fused expert tensor and the global id of its first row. FSDP shards
+    dim 0 (whole experts; torch.chunk sizes); under EP the tensor is this EP rank's E/ep block."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    first = dims.ep_mesh["ep"].get_local_rank() * v.shape[0] if dims.ep > 1 else 0
+    if isinstance(v, DTensor):
+        if not all(p == Shard(0) or isinstance(p, Replicate) for p in v.placements):
+            raise ValueError(f"expert weights sharded as {v.placements}: checkpoints expect whole experts per rank")
+        _, offset = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
+        first, v = first + offset[0], v.to_local()
+    return v, first
+
+
+def _split_experts(sd: dict, dims: parallel.ParallelDims) -> dict:
+    """A model or optimizer state dict with each fused expert tensor replaced by one entry per
+    expert, named by its global id ("...mlp.experts.down_proj[3]"): the same keys and shapes
+    whatever --ep_size / --train_workers split the experts, so DCP reloads them under any layout
+    (the other weights are DTensors, which DCP reshards). Entries are views of the local rows."""
+    def split(key: str, v: torch.Tensor) -> dict:
+        rows, first = _expert_rows(v, dims)
+        return {f"{key}[{first + j}]": rows[j] for j in range(rows.shape[0])}
+
+    if "state" in sd and "param_groups" in sd:  # an optimizer state dict: split each state tensor alike
+        state = {}
+        for key, st in sd["state"].items():
+            if not key.endswith(EXPERT_PARAMS):
+                state[key] = st
+                continue
+            parts = {n: split(key, t) if torch.is_tensor(t) and t.dim() > 0 else t for n, t in st.items()}
+            ids = next(p for p in parts.values() if isinstance(p, dict))
+            for e in ids:   # scalar entries ("step") are shared by the experts of one tensor
+                state[e] = {n: p[e] if isinstance(p, dict) else p for n, p in parts.items()}
+        return {"state": state, "param_groups": sd["param_groups"]}
+    out = {}
+    for key, v in sd.items():
+        out.update(split(key, v) if key.endswith(EXPERT_PARAMS) else {key: v})
+    return out
 
 
 class TrainerGroup:
     """The trainer ranks as Ray actors forming one process group; the loop talks
     to the group, and every collective (the step, the full state dict) runs on
     all ranks. Every rank gets the whole batch (one object-store copy) and trains
-    on its token-balanced share of it (see Trainer)."""
+    on its token-balanced share of it (see Trainer).
 
-    def __init__(self, cfg: dict):
+    Placement: one Ray bundle per rank (one CPU, one GPU where the cluster has GPUs, plus
+    --trainer_resources), apart from the engines' bundles. The ranks of a TP x CP group talk in
+    every layer, so each such group is one STRICT_PACK placement group (one node); pure data
+    ranks are one PACK group. The process group's store lives on rank 0's own node: its address
+    and port come from a task run in rank 0's bundle, before any rank starts."""
+
+    def __init__(self, cfg: dict, actor: type | None = None):
         import ray
-        n = cfg["train_workers"]
-        addr, port = ray.util.get_node_ip_address(), parallel.free_port()
-        gpus = 1 if ray.cluster_resources().get("GPU", 0) else 0  # one GPU per rank where there are GPUs
-        self.workers = [ray.remote(Trainer).options(num_cpus=0, num_gpus=gpus).remote(cfg, rank, n, addr, port)
-                        for rank in range(n)]
+        n, group = cfg["train_workers"], cfg.get("tp_size", 1) * cfg.get("cp_size", 1)
+        gpus = parallel.gpu_shares(cfg, ray.cluster_resources().get("GPU", 0))[0]  # one GPU per rank, if any
+        bundle = {"CPU": 1, **({"GPU": gpus} if gpus else {}), **(cfg.get("trainer_resources") or {})}
+        if group == 1:
+            pg = parallel.reserve([bundle] * n, "PACK", f"{n} trainer rank(s)")
+            self.slots = [(pg, r) for r in range(n)]
+        else:
+            pgs = [parallel.reserve([bundle] * group, "STRICT_PACK",
+                                    f"trainer ranks {g * group}-{(g + 1) * group - 1} (a TP x CP group: one node)")
+                   for g in range(n // group)]
+            self.slots = [(pgs[r // group], r % group) for r in range(n)]
+        markers = shared_markers(cfg)
+        try:
+            facts = ray.get([parallel.node_facts(pg, i, tuple(markers)) for pg, i in self.slots])
+        finally:
+            for m in markers:
+                Path(m).unlink(missing_ok=True)
+        check_shared_storage(facts, markers)
+        self.master = (facts[0]["ip"], facts[0]["port"])    # rank 0's node hosts the store
+        remote = ray.remote(actor or Trainer)
+        self.workers = [remote.options(num_cpus=1, num_gpus=gpus, **parallel.in_bundle(pg, i)).remote(
+                        cfg, rank, n, *self.master) for rank, (pg, i) in enumerate(self.slots)]
 
     def ready(self) -> list:
         return [w.get_version.remote() for w in self.workers]
@@ -661,6 +725,40 @@ class TrainerGroup:
     def call(self, method: str, *args):
         """Run `method` on every rank; returns rank 0's result ref."""
         return [getattr(w, method).remote(*args) for w in self.workers][0]
+
+
+def shared_markers(cfg: dict) -> list[str]:
+    """Mark the folders the trainer ranks write (checkpoints: every rank; the export: rank 0) with
+    a file of this run, so each rank's node can say whether it sees the driver's folder."""
+    import uuid
+    if not (cfg.get("save_every") or cfg.get("resume") or cfg.get("export_hf")):
+        return []
+    out = Path(cfg["output_dir"]).resolve()
+    folders = [out]
+    export = Path(cfg["export_hf"]).resolve().parent if cfg.get("export_hf") else out
+    if export != out and not export.is_relative_to(out):
+        folders.append(export)
+    markers = []
+    for folder in folders:
+        folder.mkdir(parents=True, exist_ok=True)
+        marker = folder / f".molt-visible-{uuid.uuid4().hex}"
+        marker.touch()
+        markers.append(str(marker))
+    return markers
+
+
+def check_shared_storage(facts: list[dict], markers: list[str]) -> None:
+    """Every trainer rank's node must see the driver's --output_dir (and --export_hf folder):
+    checkpoints are written there by every rank, the export by rank 0, and the driver reads
+    them back. On several machines that takes shared storage mounted at the same path."""
+    for rank, f in enumerate(facts):
+        for marker, seen in zip(markers, f["sees"]):
+            if not seen:
+                raise ValueError(
+                    f"{Path(marker).parent} (--output_dir / --export_hf) is not visible from trainer rank {rank}'s "
+                    f"node ({f['ip']}): checkpoints are written by every trainer rank and the export by rank 0, "
+                    "so on several machines it must be shared storage (NFS, a cloud-bucket mount) mounted at the "
+                    "same path on the driver and every trainer node")
 
 
 def split_balanced(trajectories: list[dict], n: int) -> list[list[dict]]:

@@ -65,6 +65,8 @@ def _worker(rank, world, port, cases, trajs, out_dir):
     for name, cfg in cases:
         t, metrics, sd = _run_case(cfg, trajs, rank, world, port)
         result = {"metrics": metrics, "state": sd, "names": t.weight_names()}
+        if cfg["tp_size"] > 1:  # vocab-parallel LM head: each TP rank's logits cover its slice only
+            result["logits_width"] = t.model(input_ids=torch.tensor([[2, 3]])).logits.shape[-1]
         if name.endswith("+ckpt"):  # save, reload into a fresh trainer, one more step on both
             ckpt = str(Path(out_dir) / "ckpt")
             t.save_checkpoint(ckpt)
@@ -88,6 +90,7 @@ def _compare(result, ref_metrics, ref_state, what):
     assert abs(result["metrics"]["policy_loss"] - ref_metrics["policy_loss"]) < TOL, what
     # The gradient's scale, which AdamW hides from the weights: a sum over ranks, not a mean.
     assert abs(result["metrics"]["grad_norm"] - ref_metrics["grad_norm"]) < 1e-4 * ref_metrics["grad_norm"], what
+    assert abs(result["metrics"]["entropy"] - ref_metrics["entropy"]) < TOL, what
     assert result["metrics"]["action_tokens"] == ref_metrics["action_tokens"], what
     assert result["state"].keys() == ref_state.keys(), what
     worst = max((result["state"][k] - ref_state[k]).abs().max().item() for k in ref_state)
@@ -105,6 +108,7 @@ def references(tiny_model, tiny_moe):
         out[key + "-sgd"] = _run_case(_sgd(_cfg(model)), trajs)[1:]
         import trainer
         out[key + "0"] = trainer.Trainer(_cfg(model)).full_state_dict()
+    out["dense-entropy"] = _run_case(_cfg(tiny_model, entropy_coef=0.1), trajs)[1:]  # entropy in the loss
     return out
 
 
@@ -116,6 +120,7 @@ def test_layouts_world2(tiny_model, tiny_moe, references, tmp_path):
         ("dense-dp2+ckpt", _cfg(d, train_workers=2)),
         ("dense-dp2-mb1", _cfg(d, train_workers=2, micro_batch_size=1)),   # unequal micro-batch counts
         ("dense-tp2", _cfg(d, train_workers=2, tp_size=2)),
+        ("dense-tp2-entropy", _cfg(d, train_workers=2, tp_size=2, entropy_coef=0.1)),  # its vocab-parallel gradient
         ("dense-cp2", _cfg(d, train_workers=2, cp_size=2)),
         ("dense-dp2-packing-tokens", _cfg(d, train_workers=2, packing=True, micro_batch_tokens=20)),
         ("dense-dp2-ac-offload", _cfg(d, train_workers=2, activation_checkpointing=True, offload="optimizer")),
@@ -128,9 +133,11 @@ def test_layouts_world2(tiny_model, tiny_moe, references, tmp_path):
     _spawn(2, cases, _trajectories(), tmp_path)
     for name, cfg in cases:
         r = torch.load(tmp_path / f"{name}.pt", weights_only=False)
-        ref_metrics, ref_state = references[("moe" if name.startswith("moe") else "dense")
-                                            + ("-sgd" if name.endswith("-sgd") else "")]
+        key = "moe" if name.startswith("moe") else "dense-entropy" if name.endswith("entropy") else "dense"
+        ref_metrics, ref_state = references[key + ("-sgd" if name.endswith("-sgd") else "")]
         _compare(r, ref_metrics, ref_state, name)
+        if cfg["tp_size"] > 1:
+            assert r["logits_width"] == len(r["state"]["model.embed_tokens.weight"]) // 2, name
         if name.startswith("moe"):  # the blob carries per-expert checkpoint names vLLM loads
             assert "model.layers.0.mlp.experts.3.down_proj.weight" in r["names"]
             assert not any(n.endswith("gate_up_proj") for n in r["names"])
@@ -138,6 +145,69 @@ def test_layouts_world2(tiny_model, tiny_moe, references, tmp_path):
             assert r["loaded_version"] == 1
             worst = max((r["after"][k] - r["after_loaded"][k]).abs().max().item() for k in r["after"])
             assert worst == 0.0, "model + optimizer reloaded from the checkpoint train identically"
+
+
+def _copy(sd: dict) -> dict:
+    """On one rank full_state_dict() can alias the parameters: keep a copy across later steps."""
+    return {k: v.clone() for k, v in sd.items()}
+
+
+def _reshard_worker(rank, world, port, cases, trajs, out_dir):
+    """Each case: load a checkpoint saved at another layout, save it again at this one, one step."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(1)
+    import trainer
+    for name, cfg, source in cases:
+        t = trainer.Trainer(cfg, rank, world, "127.0.0.1", port)
+        result = {"version": t.load_checkpoint(source), "loaded": _copy(t.full_state_dict())}
+        t.save_checkpoint(str(Path(out_dir) / f"{name}.ckpt"))
+        t.train_step(trajs)
+        result["after"] = t.full_state_dict()
+        if rank == 0:
+            torch.save(result, Path(out_dir) / f"{name}.pt")
+        del t
+    torch.distributed.destroy_process_group()
+
+
+def test_checkpoints_reshard_across_layouts(tiny_model, tiny_moe, tmp_path):
+    """A checkpoint saved on 1 rank resumes on 2 (dense dp2 and tp2, MoE dp2 and ep2); saved again
+    there, it resumes on 1: weights exactly, optimizer state too (the next step equals the
+    uninterrupted one). MoE experts are stored one per expert, whatever split them."""
+    import torch.multiprocessing as mp
+    import parallel
+    import trainer
+    trajs, models, start = _trajectories(), {"dense": tiny_model, "moe": tiny_moe}, {}
+    for key, model in models.items():
+        t = trainer.Trainer(_cfg(model))
+        t.train_step(trajs)
+        t.save_checkpoint(str(tmp_path / f"{key}.ckpt"))
+        saved = _copy(t.full_state_dict())
+        t.train_step(trajs)
+        start[key] = (saved, _copy(t.full_state_dict()))
+    cases = [("dense-dp2", _cfg(tiny_model, train_workers=2), "dense"),
+             ("dense-tp2", _cfg(tiny_model, train_workers=2, tp_size=2), "dense"),
+             ("moe-dp2", _cfg(tiny_moe, train_workers=2), "moe"),
+             ("moe-ep2", _cfg(tiny_moe, train_workers=2, ep_size=2), "moe")]
+    mp.spawn(_reshard_worker, nprocs=2, join=True,
+             args=(2, parallel.free_port(), [(n, c, str(tmp_path / f"{k}.ckpt")) for n, c, k in cases], trajs,
+                   str(tmp_path)))
+
+    def same(a, b, what, tol=0.0):
+        assert a.keys() == b.keys(), what
+        worst = max((a[k] - b[k]).abs().max().item() for k in b)
+        assert worst <= tol, f"{what}: differs by {worst}"
+
+    for name, _, key in cases:
+        saved, after = start[key]
+        r = torch.load(tmp_path / f"{name}.pt", weights_only=False)
+        assert r["version"] == 1, name
+        same(r["loaded"], saved, f"{name}: weights after loading the 1-rank checkpoint")
+        same(r["after"], after, f"{name}: the step after loading", TOL)
+        t = trainer.Trainer(_cfg(models[key]))          # and back to one rank
+        assert t.load_checkpoint(str(tmp_path / f"{name}.ckpt")) == 1
+        same(t.full_state_dict(), saved, f"1 rank from {name}'s checkpoint")
+        t.train_step(trajs)
+        same(t.full_state_dict(), after, f"the step after loading {name}'s checkpoint on 1 rank", TOL)
 
 
 def test_layouts_world4(tiny_model, tiny_moe, references, tmp_path):

@@ -1,0 +1,126 @@
+"""More than one node: placement, rendezvous and the real loop on a Ray cluster of several raylets.
+
+`ray.cluster_utils.Cluster` starts several Ray nodes on this host. Each node gets its own
+loopback address (127.0.0.2, 127.0.0.3; the driver's node keeps the host's address) and a
+custom resource naming it, so "which node" is a real, different IP for every actor: the
+trainer ranks are pinned to one node with --trainer_resources, the engine to another with
+--engine_resources. Checked: the process group's store is hosted on rank 0's node (not the
+driver's), a TP group shares a node, engines split the cores of their own node, --output_dir
+must be visible from every trainer node, and the loop trains token-exactly across nodes
+(weights broadcast from the trainer's node to the engine's).
+
+    python -m pytest -q tests/test_cluster.py
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+import generator
+import parallel
+import trainer
+
+TRAINER_IP, ENGINE_IP = "127.0.0.2", "127.0.0.3"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})   # the driver's node runs nothing
+    c.add_node(num_cpus=3, resources={"trainer_node": 3}, node_ip_address=TRAINER_IP)   # room for a misplaced engine
+    c.add_node(num_cpus=1, resources={"engine_node": 1}, node_ip_address=ENGINE_IP)
+    yield c
+    c.shutdown()
+
+
+class Probe:
+    """Stands in for a Trainer rank: records where it runs and the rendezvous it was given."""
+
+    weight_sync_address = trainer.Trainer.weight_sync_address
+
+    def __init__(self, cfg, rank, world, master_addr, master_port):
+        self.seen = (rank, master_addr, master_port)
+
+    def where(self):
+        import ray
+        return (*self.seen, ray.util.get_node_ip_address())
+
+
+def test_rendezvous_is_on_rank_0s_node(cluster, tmp_path, monkeypatch):
+    import ray
+    from ray.util.placement_group import remove_placement_group
+    root = Path(__file__).resolve().parents[1]   # the workers import this module (Probe) and trainer.py
+    ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": f"{root}:{root / 'tests'}"}})
+    try:
+        monkeypatch.setattr(parallel, "PLACEMENT_TIMEOUT_S", 2)
+        with pytest.raises(ValueError, match="cannot place 4 trainer rank"):   # the trainer node has 3 CPUs
+            trainer.TrainerGroup({"train_workers": 4, "trainer_resources": {"trainer_node": 0.5},
+                                  "output_dir": str(tmp_path)})
+        monkeypatch.setattr(parallel, "PLACEMENT_TIMEOUT_S", 60)
+        driver_ip = ray.util.get_node_ip_address()
+        for tp in (1, 2):   # tp 2: one STRICT_PACK group
+            cfg = {"train_workers": 2, "tp_size": tp, "cp_size": 1, "trainer_resources": {"trainer_node": 0.5},
+                   "output_dir": str(tmp_path / "out"), "save_every": 1, "export_hf": None}
+            group = trainer.TrainerGroup(cfg, actor=Probe)
+            seen = ray.get([w.where.remote() for w in group.workers])
+            assert [s[0] for s in seen] == [0, 1]
+            assert {s[3] for s in seen} == {TRAINER_IP}, "ranks run on the trainer node"
+            assert {s[1] for s in seen} == {TRAINER_IP} != {driver_ip}, "MASTER_ADDR is rank 0's node"
+            assert len({s[2] for s in seen}) == 1
+            host, _ = ray.get(group.call("weight_sync_address"))
+            assert host == TRAINER_IP, "the weight-broadcast store is on rank 0's node too"
+            assert not list((tmp_path / "out").glob(".molt-visible-*")), "markers are removed"
+            for w in group.workers:
+                ray.kill(w)
+            for pg in {pg.id: pg for pg, _ in group.slots}.values():   # free the node for the next layout
+                remove_placement_group(pg)
+    finally:
+        ray.shutdown()
+
+
+def test_cpu_binding_counts_each_nodes_cores():
+    assert generator.cpu_binding(["a"], {"a": 8}) == [None]               # alone: vLLM's default
+    assert generator.cpu_binding(["a", "b", "a"], {"a": 8, "b": 2}) == ["0-3", None, "4-7"]
+    assert generator.cpu_binding(["a"] * 3, {"a": 2}) == ["0-0", "1-1", "0-0"]   # more engines than cores
+
+
+def test_output_dir_on_one_node_only_is_refused():
+    facts = [{"ip": "10.0.0.1", "sees": [True]}, {"ip": "10.0.0.2", "sees": [False]}]
+    trainer.check_shared_storage(facts[:1], ["/runs/a/.molt-visible-x"])
+    with pytest.raises(ValueError, match=r"/runs/a .* not visible from trainer rank 1's node \(10.0.0.2\).*shared "
+                                         "storage"):
+        trainer.check_shared_storage(facts, ["/runs/a/.molt-visible-x"])
+
+
+def test_loop_on_two_nodes_places_and_trains_token_exactly(cluster, tiny_model, tmp_path):
+    """Trainer ranks on one node, the engine on another, weights broadcast between them."""
+    import main
+    out = tmp_path / "run"
+    # "auto": the cluster this host runs (the Cluster wrote its address where `ray start` does)
+    main.main(["--model", tiny_model, "--ray_address", "auto", "--output_dir", str(out),
+               "--trainer_resources", json.dumps({"trainer_node": 0.5}),
+               "--engine_resources", json.dumps({"engine_node": 0.5}),
+               "--train_workers", "2", "--weight_sync", "broadcast", "--steps", "2", "--prompts_per_step", "2",
+               "--samples_per_prompt", "2", "--max_new_tokens", "2", "--mini_batches", "1", "--quiet",
+               "--no_plot", "--save_every", "2"])
+    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2]
+    assert all(m["mismatch_abs"] < 1e-4 for m in lines), "token-exact across nodes, before and after a sync"
+    assert (out / "final" / "model.safetensors").is_file() and (out / "checkpoints" / "step_000002").is_dir()
+    actors = cluster.global_state.actor_table(None).values()
+    where = {}
+    for a in actors:
+        where.setdefault(a["ActorClassName"], set()).add(a["Address"]["IPAddress"])
+    assert where["Trainer"] == {TRAINER_IP} and where["Generator"] == {ENGINE_IP}, where
+
+
+def test_gpu_shares_keep_trainer_and_engine_gpus_apart():
+    cfg = {"train_workers": 6, "num_engines": 2, "engine_tp_size": 1, "engine_dp_size": 1}
+    assert parallel.gpu_shares(cfg, 0) == (0.0, 0.0)                        # CPU cluster
+    assert parallel.gpu_shares(cfg, 8) == (1.0, 1.0)                        # 6 + 2 GPUs of their own
+    assert parallel.gpu_shares({**cfg, "num_engines": 1, "engine_tp_size": 2}, 8) == (1.0, 2.0)
+    one = {"train_workers": 1, "num_engines": 1, "engine_tp_size": 1, "engine_dp_size": 1}
+    assert parallel.gpu_shares(one, 1) == (0.5, 0.5)                        # one GPU: shared
+    with pytest.raises(ValueError, match="need 10 GPUs, the Ray cluster has 8"):
+        parallel.gpu_shares({**cfg, "num_engines": 4}, 8)
