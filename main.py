@@ -28,6 +28,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MOLT_CACHE", Path.home() / ".cache" / "molt"))
 
 
+def native_bf16() -> str | None:
+    """Why bf16 is fast here (a GPU, or a CPU with bf16 instructions), or None. Without them
+    (AVX2-only CPUs) bf16 matmuls are emulated and far slower than fp32."""
+    import torch
+    if torch.cuda.is_available():
+        return "a GPU"
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return None
+    found = sorted(flags & {"amx_bf16", "avx512_bf16"})
+    return f"this CPU has {'/'.join(found)}" if found else None
+
+
 def resources(text: str) -> dict[str, float]:
     """--trainer_resources / --engine_resources: a JSON object of Ray resource names to amounts."""
     import json
@@ -168,8 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mini_batches", type=int, default=4, help="optimizer steps per rollout batch (PPO mini-batches)")
     g.add_argument("--ppo_epochs", type=int, default=1, help="passes over each rollout batch")
     g.add_argument("--micro_batch_size", type=int, default=256, help="rows per forward/backward (gradient accumulation)")
-    g.add_argument("--param_dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="trainer compute dtype and engine dtype")
+    g.add_argument("--param_dtype", default="float32", choices=["float32", "bfloat16", "auto"],
+                   help="trainer compute dtype and engine dtype (auto: bfloat16 on a GPU or a CPU with AMX/AVX512-BF16 "
+                   "instructions, else float32; said at start-up)")
     g.add_argument("--train_threads", type=int, default=None, help="torch threads in the trainer (default: torch's)")
 
     g = p.add_argument_group("scale")
@@ -289,6 +304,10 @@ def validate(cfg: dict) -> dict:
     if cfg["async_depth"] > 0:
         need(cfg["is_level"] != "off", "--async_depth > 0 trains on tokens sampled by older policies: "
              "it needs IS correction (--is_level token|seq|geo), not 'off'")
+    if cfg["param_dtype"] == "auto":  # from the device's capability, not from one machine's timing
+        why = native_bf16()
+        cfg["param_dtype"] = "bfloat16" if why else "float32"
+        print(f"--param_dtype auto: {cfg['param_dtype']} ({why or 'no native bf16 on this CPU'})", file=sys.stderr)
     # engine
     for k in ("num_engines", "engine_tp_size", "engine_dp_size", "spec_tokens", "sync_bucket_mb"):
         need(cfg[k] >= 1, f"--{k} must be >= 1, got {cfg[k]}")

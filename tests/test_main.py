@@ -83,3 +83,12 @@ def test_algorithm_defaults_are_filled_soundly(tiny_model, argv, key, value):
 ])
 def test_unsound_loop_combinations_are_refused(capsys, tiny_model, argv, message):
     assert message in _err(capsys, ["--model", tiny_model, *argv])
+
+
+@pytest.mark.parametrize("why, dtype", [("this CPU has avx512_bf16", "bfloat16"), (None, "float32")])
+def test_param_dtype_auto_follows_the_device(tiny_model, monkeypatch, why, dtype):
+    """bf16 only where it is native (a GPU, AMX or AVX512-BF16): on an AVX2-only CPU it is
+    emulated and far slower than fp32."""
+    monkeypatch.setattr(main, "native_bf16", lambda: why)
+    cfg = main.validate(vars(main.build_parser().parse_args(["--model", tiny_model, "--param_dtype", "auto"])))
+    assert cfg["param_dtype"] == dtype

@@ -13,7 +13,7 @@ exec "${PYTHON:-python}" main.py \
   --prompts_per_step 8 --samples_per_prompt 4 \
   --max_new_tokens 24 --max_len 128 --temperature 0.7 \
   --lr 1e-5 --mini_batches 2 --micro_batch_size 16 \
-  --param_dtype bfloat16 \
+  --param_dtype auto \
   --steps 30 \
   --output_dir runs/smollm2_arith \
   "$@"
