@@ -116,13 +116,29 @@ def tagged_pids(value: str, key: str = TAG) -> list[int]:
     return found
 
 
-def reap(run_id: str, exclude: set[int], grace_s: float = 3.0, limit_s: float = 15.0) -> list[int]:
-    """SIGTERM every process tagged with `run_id` (but `exclude`), SIGKILL those still there
-    after `grace_s`; repeat until none is left or `limit_s` passed. Returns the pids signalled."""
+def _still_running(known: dict[int, float] | None) -> list[int]:
+    """The pids of `known` ({pid: start time}) that still run as the same, live process."""
+    import psutil
+    alive = []
+    for pid, created in (known or {}).items():
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.Error:
+            pass
+    return alive
+
+
+def reap(run_id: str, exclude: set[int], grace_s: float = 3.0, limit_s: float = 15.0,
+         known: dict[int, float] | None = None) -> list[int]:
+    """SIGTERM every process tagged with `run_id` or in `known` (but `exclude`), SIGKILL those
+    still there after `grace_s`; repeat until none is left or `limit_s` passed. Returns the
+    pids signalled."""
     signalled: set[int] = set()
     start = time.monotonic()
     while time.monotonic() - start < limit_s:
-        pids = [p for p in tagged_pids(run_id) if p not in exclude]
+        pids = [p for p in {*tagged_pids(run_id), *_still_running(known)} if p not in exclude]
         if not pids:
             break
         late = time.monotonic() - start > grace_s
@@ -197,12 +213,22 @@ def guarded(out: Path, run: Callable[[], Any]) -> Any:
 
 def reaper_main(run_id: str, driver: int):
     """The reaper process: wait until the driver closes our stdin or dies, then reap."""
+    import psutil
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ray's DashboardAgent and RuntimeEnvAgent rewrite their environment (no tag in
+    # /proc/PID/environ): remember the driver's descendants too, for when it dies.
+    known: dict[int, float] = {}
+    died = True
     while os.getppid() == driver:
+        try:
+            known.update({p.pid: p.create_time() for p in psutil.Process(driver).children(recursive=True)})
+        except psutil.Error:
+            pass
         ready, _, _ = select.select([sys.stdin], [], [], 1.0)
         if ready and not os.read(sys.stdin.fileno(), 1):
+            died = False  # a clean end: the driver reaped its own run (its other children are not ours)
             break
-    reap(run_id, exclude={os.getpid()})
+    reap(run_id, exclude={os.getpid()}, known=known if died else None)
 
 
 # ---------------------------------------------------------------- never hang

@@ -45,7 +45,7 @@ def wait_until(condition, what: str, timeout: float = 150.0, proc: subprocess.Po
         time.sleep(0.2)
 
 
-def nothing_left(tag: str, timeout: float = 10.0) -> list[str]:
+def nothing_left(tag: str, timeout: float = 20.0) -> list[str]:
     """Wait (bounded: "within a few seconds") for every tagged process to end; returns those
     still alive. (Without the reaper, Ray's own clean-up left processes alive for longer.)"""
     deadline = time.monotonic() + timeout
