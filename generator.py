@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import gc
 import itertools
 import json
 import os
 import time
+import traceback
 from typing import Iterator
 
 import safetensors.torch
@@ -113,7 +115,7 @@ class Generator:
                  prefix_caching: bool = True, enforce_eager: bool = True,
                  partial_rollout: bool = False, tp_size: int = 1, dp_size: int = 1,
                  expert_parallel: bool = False, spec_decode: str | None = None, spec_tokens: int = 3,
-                 max_images: int = 8, trust_remote_code: bool = False):
+                 max_images: int = 8, trust_remote_code: bool = False, max_seqs: int = 1024):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; CPU only
         from transformers import AutoConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -132,18 +134,55 @@ class Generator:
             # a placement group vLLM would otherwise pick its Ray executor and ask for GPUs again.
             distributed_executor_backend="mp" if tp_size > 1 else None,
             enable_expert_parallel=expert_parallel,
+            max_num_seqs=max_seqs, max_num_batched_tokens=max(8192, max_len),
             speculative_config=speculative_config(spec_decode, spec_tokens),
             trust_remote_code=trust_remote_code,
             # Images per request (all turns of a trajectory); no video input.
             **({"limit_mm_per_prompt": {"image": max_images, "video": 0}} if vlm else {}),
         )
         self.engine = AsyncLLM.from_engine_args(args)
+        # A full collection walks vLLM's and torch's ~10^6 start-up objects: a 0.5 s stall of every
+        # request in flight, every few hundred rollouts. They live as long as the engine.
+        gc.freeze()
         self.partial_rollout = partial_rollout
         self.version = 0          # policy version of the weights now loaded
         self._ids = itertools.count()
         self.busy_s = 0.0         # wall time with at least one request running
         self._running = 0
         self._busy_since = 0.0
+        self._requests: dict[str, asyncio.Future] = {}  # generate_batch's requests in flight
+
+    async def generate_batch(self, requests: list[tuple]):
+        """Many `generate` calls in one Ray call (a Ray call per request costs the driver
+        about a millisecond: 0.5 s of a 512-rollout step). `requests` are (request id,
+        prompt_ids, sampling, images); yields lists of (request id, result, error text)
+        as requests finish. `cancel(ids)` stops some of them."""
+        tasks = {asyncio.ensure_future(self.generate(*args)): rid for rid, *args in requests}
+        self._requests.update({rid: task for task, rid in tasks.items()})
+        pending = set(tasks)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                out = []
+                for task in done:
+                    rid = tasks[task]
+                    self._requests.pop(rid, None)
+                    if task.cancelled():
+                        out.append((rid, None, "cancelled"))
+                    elif task.exception() is not None:
+                        out.append((rid, None, "".join(traceback.format_exception(task.exception()))))
+                    else:
+                        out.append((rid, task.result(), None))
+                yield out
+        finally:
+            for task in pending:
+                task.cancel()
+
+    def cancel(self, request_ids: list[str]):
+        for rid in request_ids:
+            task = self._requests.pop(rid, None)
+            if task is not None:
+                task.cancel()  # vLLM aborts a cancelled generate
 
     async def generate(self, prompt_ids: list[int], sampling: dict, images: list | None = None) -> dict:
         """Sample one completion. Returns token_ids, logprobs and versions (one per
@@ -336,17 +375,31 @@ def receive_weights(group, device: torch.device) -> Iterator[tuple[str, torch.Te
             yield name, part.view(dtype).view(shape)
 
 
+class EngineError(RuntimeError):
+    """A request failed inside an engine (the engine's traceback is the message)."""
+
+
+BATCH_WINDOW_S = 0.002  # requests that arrive this close together travel in one Ray call
+
+
 class Engines:
     """The vLLM engine actors behind one client. A rollout gets a sticky `session()`:
     all its turns go to one engine, so its prefix cache is reused; new sessions go
-    to the engine with the fewest tokens in flight. Weight updates reach all, through
-    Ray (`broadcast=False`) or the trainer's broadcast group (`connect` first)."""
+    to the engine with the fewest tokens in flight. Requests to one engine within
+    BATCH_WINDOW_S go as one streaming Ray call (`Generator.generate_batch`), each
+    answered as soon as it finishes. Weight updates reach all, through Ray
+    (`broadcast=False`) or the trainer's broadcast group (`connect` first)."""
 
     def __init__(self, actors: list, check_weight_sync: bool = False, broadcast: bool = False,
                  workers_per_engine: int = 1):
         self.actors, self.check, self.broadcast = actors, check_weight_sync, broadcast
         self.workers_per_engine = workers_per_engine
         self.load = [0] * len(actors)  # prompt + max new tokens of requests in flight
+        self.ray_calls = 0             # generate_batch calls made (for the bench)
+        self._ids = itertools.count()
+        self._queued: dict[tuple, list] = {}       # (event loop, engine) -> requests not sent yet
+        self._waiting: dict[str, asyncio.Future] = {}
+        self._streams: set[asyncio.Task] = set()
 
     def session(self):
         chosen: list[int] = []
@@ -356,16 +409,50 @@ class Engines:
                 chosen.append(self.load.index(min(self.load)))
             i, cost = chosen[0], len(prompt_ids) + sampling.get("max_tokens", 0)
             self.load[i] += cost
-            ref = self.actors[i].generate.remote(prompt_ids, sampling, images)
+            loop, rid = asyncio.get_running_loop(), f"q{next(self._ids)}"
+            request = (rid, prompt_ids, sampling, images)
+            queue = self._queued.setdefault((loop, i), [])
+            if not queue:
+                loop.call_later(BATCH_WINDOW_S, self._send, loop, i)
+            queue.append(request)
+            self._waiting[rid] = future = loop.create_future()
             try:
-                return await ref
-            except asyncio.CancelledError:  # a rollout timed out or was cancelled:
-                import ray                  # stop the request (vLLM aborts a cancelled generate)
-                ray.cancel(ref)
+                return await future
+            except asyncio.CancelledError:  # a rollout timed out or was cancelled: stop the request
+                self._waiting.pop(rid, None)
+                unsent = self._queued.get((loop, i), [])
+                if request in unsent:
+                    unsent.remove(request)
+                else:
+                    self.actors[i].cancel.remote([rid])
                 raise
             finally:
                 self.load[i] -= cost
         return generate
+
+    def _send(self, loop, i: int):
+        batch = self._queued.pop((loop, i), [])
+        if batch:
+            task = loop.create_task(self._stream(i, batch))
+            self._streams.add(task)
+            task.add_done_callback(self._streams.discard)
+
+    async def _stream(self, i: int, batch: list[tuple]):
+        self.ray_calls += 1
+        try:
+            async for ref in self.actors[i].generate_batch.options(num_returns="streaming").remote(batch):
+                for rid, result, error in await ref:
+                    future = self._waiting.pop(rid, None)
+                    if future is not None and not future.done():
+                        future.set_result(result) if error is None else future.set_exception(EngineError(error))
+        except Exception as e:  # the engine actor died: every request of the batch fails with it
+            error = e
+        else:
+            error = EngineError("the engine ended a batch without answering every request")
+        for rid, *_ in batch:
+            future = self._waiting.pop(rid, None)
+            if future is not None and not future.done():
+                future.set_exception(error)
 
     async def __call__(self, prompt_ids: list[int], sampling: dict, images: list | None = None) -> dict:
         return await self.session()(prompt_ids, sampling, images)
@@ -409,7 +496,7 @@ class Engines:
     @staticmethod
     def is_engine_error(e: Exception) -> bool:
         import ray
-        return isinstance(e, ray.exceptions.RayError)
+        return isinstance(e, (ray.exceptions.RayError, EngineError))
 
 
 def start_engines(cfg: dict) -> Engines:
@@ -417,7 +504,7 @@ def start_engines(cfg: dict) -> Engines:
     --engine_dp_size GPUs on one node where the cluster has GPUs, plus --engine_resources), in
     a placement group of their own: engine GPUs are never the trainer's. On CPU, engines that
     share a node split that node's cores (vLLM binds every engine's OpenMP threads to core 0
-    by default); the cores are counted on the engine's node, not the driver's."""
+    by default); the cores are counted on the engine's node, not the driver's (cpu_engine_env)."""
     import ray
     import parallel
     n, gpus = cfg["num_engines"], parallel.gpu_shares(cfg, ray.cluster_resources().get("GPU", 0))[1]
@@ -425,12 +512,12 @@ def start_engines(cfg: dict) -> Engines:
     bundle = {"CPU": 1, **({"GPU": gpus} if gpus else {}), **(cfg.get("engine_resources") or {})}
     pg = parallel.reserve([bundle] * n, "PACK", f"{n} engine(s)")
     facts = ray.get([parallel.node_facts(pg, i) for i in range(n)])
-    binds = cpu_binding([f["node"] for f in facts], {f["node"]: f["cpus"] for f in facts})
+    envs = cpu_engine_env([f["node"] for f in facts], {f["node"]: f["cpus"] for f in facts}, cfg["engine_tp_size"])
     eager = cfg.get("enforce_eager")
     eager = not gpus if eager is None else eager  # CUDA graphs on GPU; on CPU compiling only slows start-up
     actors = []
     for i in range(n):
-        env = {} if gpus or binds[i] is None else {"VLLM_CPU_OMP_THREADS_BIND": binds[i]}
+        env = {} if gpus else envs[i]
         actors.append(ray.remote(Generator).options(
             num_cpus=1, num_gpus=gpus, max_concurrency=10_000,
             runtime_env={"env_vars": env}, **parallel.in_bundle(pg, i)).remote(
@@ -439,24 +526,36 @@ def start_engines(cfg: dict) -> Engines:
             partial_rollout=cfg["partial_rollout"], prefix_caching=cfg["prefix_caching"], enforce_eager=eager,
             tp_size=cfg["engine_tp_size"], dp_size=cfg["engine_dp_size"], expert_parallel=cfg["engine_ep"],
             spec_decode=cfg["spec_decode"], spec_tokens=cfg["spec_tokens"],
-            max_images=cfg["max_images_per_prompt"], trust_remote_code=cfg["trust_remote_code"]))
+            max_images=cfg["max_images_per_prompt"], trust_remote_code=cfg["trust_remote_code"],
+            max_seqs=cfg["engine_max_seqs"]))
     return Engines(actors, cfg["check_weight_sync"], broadcast=cfg["weight_sync"] == "broadcast",
                    workers_per_engine=per_engine)
 
 
-def cpu_binding(nodes: list[str], cpus: dict[str, int]) -> list[str | None]:
-    """VLLM_CPU_OMP_THREADS_BIND of each engine ("lo-hi" cores) from the node each one runs on
-    and that node's CPU count: engines on one node split its cores (more engines than cores
-    share them round-robin); an engine alone on its node keeps vLLM's default (None)."""
-    out: list[str | None] = []
+def cpu_engine_env(nodes: list[str], cpus: dict[str, int], tp_size: int = 1) -> list[dict]:
+    """The environment of each CPU engine, from the node each one runs on and that node's CPU
+    count: engines on one node split its cores ("lo-hi"; more engines than cores share them
+    round-robin); an engine alone on its node takes all but one core (the driver, the engine's
+    Ray actor and the trainer share that one).
+
+    With one rank the worker runs inside vLLM's engine-core process (its uni executor) with
+    OpenMP threads we bind: vLLM's multiprocess executor makes the worker and the scheduler
+    busy-wait on each other (sched_yield for 1 s after every message), which on a small
+    machine takes cores from everything else (0.9 -> 0.65 s per default step on 2 cores).
+    With tensor parallelism vLLM's own executor binds each rank."""
+    out = []
     for i, node in enumerate(nodes):
         peers = [j for j, m in enumerate(nodes) if m == node]
-        if len(peers) == 1:
-            out.append(None)
+        share = max(1, cpus[node] // len(peers)) if len(peers) > 1 else max(1, cpus[node] - 1)
+        lo = peers.index(i) * share % cpus[node] if len(peers) > 1 else 0
+        cores = f"{lo}-{lo + share - 1}"
+        if tp_size > 1:
+            out.append({} if len(peers) == 1 else {"VLLM_CPU_OMP_THREADS_BIND": cores})
             continue
-        share = max(1, cpus[node] // len(peers))
-        lo = peers.index(i) * share % cpus[node]
-        out.append(f"{lo}-{lo + share - 1}")
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(share)}
+        if len(peers) > 1:
+            env.update(OMP_PLACES="{" + ",".join(map(str, range(lo, lo + share))) + "}", OMP_PROC_BIND="true")
+        out.append(env)
     return out
 
 

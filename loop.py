@@ -19,6 +19,7 @@ the engine. With depth K, groups may start up to K policy versions early.
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import json
 import logging
@@ -389,6 +390,7 @@ def run_tagged(cfg: dict) -> dict:
             bar.set_postfix(reward=f"{m['reward_mean']:.3f}", s_per_step=f"{m['step_s']:.2f}",
                             tok_per_s=f"{m['tokens_per_s']:.0f}", mismatch=f"{m.get('mismatch_k3', 0.0):.1e}")
 
+        gc.freeze()  # start-up objects stay: a full collection would stall the rollouts
         try:
             history = asyncio.run(train(cfg, engines, trainer, agent_cls, tokenizer, on_step, start))
         finally:  # a stopped run's records are closed too (W&B/MLflow runs finished, not left open)

@@ -125,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--engine_tp_size", type=int, default=1, help="tensor parallel size inside each engine")
     g.add_argument("--engine_dp_size", type=int, default=1, help="data parallel size inside each engine (MoE)")
     g.add_argument("--engine_ep", action="store_true", help="expert parallelism inside each engine (MoE)")
+    g.add_argument("--engine_max_seqs", type=int, default=1024, help="sequences one engine runs at once (vLLM's "
+                   "max_num_seqs; its own default of 128 makes a 512-rollout step take four waves)")
     g.add_argument("--engine_dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="engine weights dtype (default: --param_dtype)")
     g.add_argument("--prefix_caching", action=argparse.BooleanOptionalAction, default=True,
@@ -309,7 +311,7 @@ def validate(cfg: dict) -> dict:
         cfg["param_dtype"] = "bfloat16" if why else "float32"
         print(f"--param_dtype auto: {cfg['param_dtype']} ({why or 'no native bf16 on this CPU'})", file=sys.stderr)
     # engine
-    for k in ("num_engines", "engine_tp_size", "engine_dp_size", "spec_tokens", "sync_bucket_mb"):
+    for k in ("num_engines", "engine_tp_size", "engine_dp_size", "spec_tokens", "sync_bucket_mb", "engine_max_seqs"):
         need(cfg[k] >= 1, f"--{k} must be >= 1, got {cfg[k]}")
     if cfg["weight_sync"] == "auto":
         import torch

@@ -22,6 +22,7 @@ offline character tokenizer.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import math
 import shutil
@@ -217,6 +218,7 @@ class Trainer:
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=cfg["critic_lr"] or cfg["lr"],
                                                       betas=(0.9, 0.99), weight_decay=cfg["weight_decay"])
         self.version = 0
+        gc.freeze()  # start-up objects live as long as the trainer: no full collection walks them
 
     def _shard(self, model: torch.nn.Module, routing_hooks: bool = False) -> torch.nn.Module:
         return parallel.parallelize(model.to(self.device), self.dims, param_dtype=self.dtype,

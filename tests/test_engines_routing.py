@@ -2,6 +2,7 @@
 
 import asyncio
 
+import generator
 from generator import Engines
 
 
@@ -9,19 +10,31 @@ class FakeMethod:
     def __init__(self, fn):
         self.fn = fn
 
+    def options(self, **_):
+        return self
+
     def remote(self, *args):
         return self.fn(*args)
 
 
-class FakeEngine:
-    def __init__(self, name):
-        self.name, self.calls = name, []
-        self.generate = FakeMethod(self._generate)
+async def ready(value):
+    return value
 
-    async def _generate(self, ids, sampling, images=None):
-        self.calls.append(len(ids))
-        await asyncio.sleep(0.01)
-        return {"engine": self.name}
+
+class FakeEngine:
+    """Answers generate_batch like the Ray actor: a stream of awaitable lists of answers."""
+
+    def __init__(self, name):
+        self.name, self.calls, self.batches, self.cancelled = name, [], 0, []
+        self.generate_batch = FakeMethod(self._batch)
+        self.cancel = FakeMethod(self.cancelled.extend)
+
+    async def _batch(self, requests):
+        self.batches += 1
+        for rid, ids, sampling, images in requests:
+            self.calls.append(len(ids))
+            await asyncio.sleep(0.01)
+            yield ready([(rid, {"engine": self.name}, None)])
 
 
 def test_sessions_stick_and_spread_by_load():
@@ -39,3 +52,66 @@ def test_sessions_stick_and_spread_by_load():
     assert all(len(u) == 1 for u in used)            # every multi-turn rollout stayed on one engine
     assert len(a.calls) == len(b.calls) == 9         # and the 6 rollouts split 3/3
     assert engines.load == [0, 0]                    # nothing counted as in flight afterwards
+
+
+class ScriptedEngine:
+    """generate_batch answers from a script: error text for some ids, death after some answers."""
+
+    def __init__(self, fail: set[int] = frozenset(), die_after: int | None = None):
+        self.batches, self.cancelled, self.fail, self.die_after = [], [], fail, die_after
+        self.generate_batch = FakeMethod(self._batch)
+        self.cancel = FakeMethod(self.cancelled.extend)
+
+    async def _batch(self, requests):
+        self.batches.append([ids[0] for _, ids, _, _ in requests])
+        for n, (rid, ids, sampling, images) in enumerate(requests):
+            if self.die_after is not None and n == self.die_after:
+                raise ConnectionError("engine actor died")
+            await asyncio.sleep(0.005)
+            yield ready([(rid, None, "ValueError: prompt too long") if ids[0] in self.fail
+                         else (rid, {"token_ids": [ids[0]]}, None)])
+
+
+def run_requests(engine, firsts, cancel_after=None):
+    engines = Engines([engine])
+
+    async def one(k):
+        return (await engines.session()([k, 1, 2], {"max_tokens": 1}))["token_ids"]
+
+    async def go():
+        tasks = [asyncio.ensure_future(one(k)) for k in firsts]
+        if cancel_after is not None:
+            await asyncio.sleep(cancel_after)
+            tasks[0].cancel()
+        return await asyncio.gather(*tasks, return_exceptions=True), engines
+    return asyncio.run(go())
+
+
+def test_requests_that_arrive_together_travel_in_one_ray_call_and_come_back_to_their_callers():
+    engine = ScriptedEngine()
+    out, engines = run_requests(engine, range(10))
+    assert engine.batches == [list(range(10))] and engines.ray_calls == 1
+    assert out == [[k] for k in range(10)]           # each caller gets its own answer
+
+
+def test_an_engine_error_fails_only_its_request_and_says_it_is_the_engines():
+    out, engines = run_requests(ScriptedEngine(fail={3}), range(5))
+    assert isinstance(out[3], generator.EngineError) and "prompt too long" in str(out[3])
+    assert Engines.is_engine_error(out[3])           # the loop stops the run, as for any engine failure
+    assert [o for k, o in enumerate(out) if k != 3] == [[0], [1], [2], [4]]
+
+
+def test_a_dead_engine_fails_every_request_of_its_batch():
+    out, _ = run_requests(ScriptedEngine(die_after=2), range(5))
+    assert out[:2] == [[0], [1]]
+    assert all(isinstance(o, ConnectionError) for o in out[2:])
+
+
+def test_cancelling_a_request_unsends_it_or_cancels_it_in_the_engine():
+    engine = ScriptedEngine()
+    out, engines = run_requests(engine, range(3), cancel_after=0)        # still in the batch window
+    assert isinstance(out[0], asyncio.CancelledError) and engine.batches == [[1, 2]] and engine.cancelled == []
+    engine = ScriptedEngine()
+    out, engines = run_requests(engine, range(3), cancel_after=generator.BATCH_WINDOW_S + 0.003)  # sent
+    assert isinstance(out[0], asyncio.CancelledError) and engine.batches == [[0, 1, 2]]
+    assert engine.cancelled == ["q0"] and out[1:] == [[1], [2]] and engines.load == [0]
