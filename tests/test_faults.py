@@ -178,6 +178,42 @@ def test_agent_thread_keeps_the_loop_free_and_watchdog_names_the_blocker(monkeyp
     assert any("agent thread" in r and "blocking_step" in r for r in reports), reports
 
 
+def test_agent_thread_calls_run_there_and_bring_back_results_errors_and_cancellation():
+    """Calls cross threads in batches (faults.Mailbox): every caller gets its own result or
+    exception, the code runs on the agent thread, and cancelling a caller cancels its task there."""
+    threads = faults.AgentThreads(3)
+    cancelled = threading.Event()
+
+    async def where(k):
+        await asyncio.sleep(0.001 * (k % 7))
+        if k % 50 == 13:
+            raise KeyError(k)
+        return k, threading.current_thread().name
+
+    async def forever():
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    async def main_():
+        calls = [threads.threads[k % 3].call(where, k) for k in range(600)]
+        out = await asyncio.gather(*calls, return_exceptions=True)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(threads.threads[0].call(forever), 0.1)
+        return out
+
+    out = asyncio.run(main_())
+    assert cancelled.wait(2.0)                             # the timeout reached the agent thread's task
+    threads.close()
+    for k, o in enumerate(out):
+        if k % 50 == 13:
+            assert isinstance(o, KeyError) and o.args == (k,)
+        else:
+            assert o == (k, f"molt-agent-{k % 3}")         # its own answer, computed on its thread
+
+
 # ---------------------------------------------------------------- records
 
 def _refused(capsys, argv) -> str:
