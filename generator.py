@@ -466,19 +466,18 @@ class Engines:
             return
         host, port = await trainer.call("weight_sync_address")
         world = 1 + len(self.actors) * self.workers_per_engine
-        await asyncio.gather(trainer.call("join_weight_sync", host, port, world),
-                             *[a.join_weight_sync.remote(host, port, 1 + i * self.workers_per_engine, world)
-                               for i, a in enumerate(self.actors)])
+        await all_or_first_error([trainer.call("join_weight_sync", host, port, world),
+                                  *[a.join_weight_sync.remote(host, port, 1 + i * self.workers_per_engine, world)
+                                    for i, a in enumerate(self.actors)]])
 
     async def update_weights(self, trainer, version: int) -> float:
         """Load the trainer's (a `TrainerGroup`'s) weights into every engine; returns seconds."""
-        if self.broadcast:
-            sent = trainer.call("broadcast_weights")  # every rank gathers; rank 0 sends
-            results = await asyncio.gather(*[a.update_weights.remote(None, version) for a in self.actors])
-            await sent
+        if self.broadcast:  # every trainer rank gathers; rank 0 sends
+            results = (await all_or_first_error([trainer.call("broadcast_weights"),
+                                                 *[a.update_weights.remote(None, version) for a in self.actors]]))[1:]
         else:
             blob = trainer.weights_blob()  # a Ray ref: fetched once per node
-            results = await asyncio.gather(*[a.update_weights.remote(blob, version) for a in self.actors])
+            results = await all_or_first_error([a.update_weights.remote(blob, version) for a in self.actors])
         missing = sorted({n for r in results for n in r["missing"]})
         if missing and self.check:
             raise RuntimeError(f"--check_weight_sync: the weight update did not cover {len(missing)} engine "
@@ -497,6 +496,19 @@ class Engines:
     def is_engine_error(e: Exception) -> bool:
         import ray
         return isinstance(e, (ray.exceptions.RayError, EngineError))
+
+
+async def all_or_first_error(jobs: list) -> list:
+    """Await every job (Ray refs, coroutines); the first failure raises at once. The peers of a
+    broadcast whose trainer or engine died would otherwise wait out the group's timeout."""
+    tasks = [asyncio.ensure_future(job) for job in jobs]
+    await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    for task in tasks:
+        if task.done() and task.exception() is not None:
+            for other in tasks:
+                other.cancel()
+            raise task.exception()
+    return [task.result() for task in tasks]
 
 
 def start_engines(cfg: dict) -> Engines:

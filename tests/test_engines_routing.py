@@ -1,6 +1,9 @@
 """generator.Engines: sticky sessions and least-loaded routing (fake actors, no vLLM)."""
 
 import asyncio
+import time
+
+import pytest
 
 import generator
 from generator import Engines
@@ -115,3 +118,40 @@ def test_cancelling_a_request_unsends_it_or_cancels_it_in_the_engine():
     out, engines = run_requests(engine, range(3), cancel_after=generator.BATCH_WINDOW_S + 0.003)  # sent
     assert isinstance(out[0], asyncio.CancelledError) and engine.batches == [[0, 1, 2]]
     assert engine.cancelled == ["q0"] and out[1:] == [[1], [2]] and engines.load == [0]
+
+
+def test_a_weight_update_fails_at_once_when_one_side_of_the_broadcast_dies():
+    """The surviving peers of a broadcast wait in the group (10 min timeout): the update must
+    raise as soon as the trainer or any engine fails, not when the others give up."""
+    class Trainer:
+        def __init__(self, fail):
+            self.fail = fail
+
+        async def _broadcast(self):
+            if self.fail:
+                raise ConnectionError("trainer rank 0 died")
+            await asyncio.sleep(60)          # blocked in the broadcast, waiting for a dead engine
+
+        def call(self, method, *args):
+            return self._broadcast()
+
+    class Engine:
+        def __init__(self, fail):
+            self.fail = fail
+            self.update_weights = FakeMethod(self._update)
+
+        async def _update(self, blob, version):
+            if self.fail:
+                raise ConnectionError("engine 1 died")
+            await asyncio.sleep(60)          # receiving from a dead trainer
+            return {"seconds": 0.0, "missing": []}
+
+    async def update(trainer_fails, engine_fails):
+        engines = Engines([Engine(False), Engine(engine_fails)], broadcast=True)
+        return await asyncio.wait_for(engines.update_weights(Trainer(trainer_fails), 1), 5.0)
+
+    for trainer_fails, engine_fails, who in ((False, True, "engine 1"), (True, False, "trainer rank 0")):
+        t0 = time.perf_counter()
+        with pytest.raises(ConnectionError, match=who):
+            asyncio.run(update(trainer_fails, engine_fails))
+        assert time.perf_counter() - t0 < 1.0
