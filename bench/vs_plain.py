@@ -10,10 +10,12 @@ the ratios mean anything across machines.
 
     python bench/vs_plain.py                       # default task, tiny model, 32 x 16
     python bench/vs_plain.py --workload smollm2    # SmolLM2-135M fp32, chain_sum, 8 x 4
-    python bench/vs_plain.py --steps 8 --warmup 2
+    python bench/vs_plain.py --steps 8 --warmup 2 --ours sync
 
-Prints s/step (median after warm-up) with its phases, set-up time before step 1 and the
-peak memory (RSS summed over the run's processes, sampled every 0.2 s).
+Ours runs twice: on-policy (main.py's default, generation then training, like the plain
+loop) and async (`--async_depth 1 --partial_rollout`: the next step's rollouts generate
+while this one trains). Prints s/step (median after warm-up) with its phases, set-up time
+before step 1 and the peak memory (RSS summed over the run's processes, sampled every 0.2 s).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import asyncio
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -44,28 +47,36 @@ WORKLOADS = {
 COMMON = ["--quiet", "--export_hf", "none", "--no_plot", "--train_threads", "1"]
 
 
+KINDS = (("engine core", "VLLM::EngineCore"), ("engine actor", "ray::Generator"), ("trainer", "ray::Trainer"),
+         ("ray", "ray"))  # by command line; everything else is "driver"
+
+
 class PeakMemory:
-    """Peak of the summed RSS of this process and all its descendants (Ray, engines, ranks)."""
+    """Peak of the summed RSS of this process and all its descendants (Ray, engines, ranks),
+    and what each kind of process held at that peak."""
 
     def __init__(self):
         import psutil
-        self.me, self.peak, self.stop = psutil.Process(), 0, threading.Event()
+        self.me, self.peak, self.parts, self.stop = psutil.Process(), 0, {}, threading.Event()
         threading.Thread(target=self._watch, daemon=True).start()
 
     def _watch(self):
         import psutil
         while not self.stop.wait(0.2):
-            total = 0
+            parts: dict[str, int] = {}
             for p in [self.me, *self.me.children(recursive=True)]:
                 try:
-                    total += p.memory_info().rss
+                    cmd, rss = " ".join(p.cmdline()), p.memory_info().rss
                 except psutil.Error:
-                    pass
-            self.peak = max(self.peak, total)
+                    continue
+                kind = next((k for k, mark in KINDS if mark in cmd), "driver") if p != self.me else "driver"
+                parts[kind] = parts.get(kind, 0) + rss
+            if sum(parts.values()) > self.peak:
+                self.peak, self.parts = sum(parts.values()), parts
 
-    def done(self) -> float:
+    def done(self) -> tuple[float, dict]:
         self.stop.set()
-        return self.peak / 2**30
+        return self.peak / 2**30, {k: round(v / 2**30, 2) for k, v in sorted(self.parts.items())}
 
 
 def plain(argv: list[str], steps: int) -> dict:
@@ -123,7 +134,8 @@ def plain(argv: list[str], steps: int) -> dict:
         m = trainer.train_step(trajs)
         times.append({"step_s": time.perf_counter() - t_gen, "gen_s": gen_s, "train_s": m["train_s"],
                       "reward": m.get("reward_mean", sum(t["reward"] for t in trajs) / len(trajs))})
-    return {"setup_s": setup, "steps": times, "peak_gib": mem.done()}
+    peak, parts = mem.done()
+    return {"setup_s": setup, "steps": times, "peak_gib": peak, "memory": parts}
 
 
 def ours(argv: list[str], steps: int, out: Path) -> dict:
@@ -131,7 +143,8 @@ def ours(argv: list[str], steps: int, out: Path) -> dict:
     mem = PeakMemory()
     summary = main.main([*argv, "--steps", str(steps), "--output_dir", str(out)])
     lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"setup_s": summary["setup_s"], "peak_gib": mem.done(),
+    peak, parts = mem.done()
+    return {"setup_s": summary["setup_s"], "peak_gib": peak, "memory": parts,
             "steps": [{"step_s": m["step_s"], "gen_s": m["wait_rollouts_s"], "train_s": m["train_s"],
                        "sync_s": m.get("weight_sync_s", 0.0), "reward": m["reward_mean"]} for m in lines]}
 
@@ -145,19 +158,40 @@ if __name__ == "__main__":
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="default")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3, help="first steps left out of the medians")
+    ap.add_argument("--ours", choices=["sync", "async", "both"], default="both")
+    ap.add_argument("--part", help=argparse.SUPPRESS)  # one run in a fresh process, its JSON to this file
     args = ap.parse_args()
     argv = [*WORKLOADS[args.workload], *COMMON]
-    b = plain(argv, args.steps)
-    a = ours(argv, args.steps, Path(tempfile.mkdtemp(prefix="bench_vs_plain_")) / "run")
+    tmp = Path(tempfile.mkdtemp(prefix="bench_vs_plain_"))
+    if args.part:
+        name, file = args.part.split(":", 1)
+        extra = ["--async_depth", "1", "--partial_rollout"] if name == "ours async" else []
+        r = plain(argv, args.steps) if name == "plain" else ours([*argv, *extra], args.steps, tmp / "run")
+        Path(file).write_text(json.dumps(r))
+        sys.exit(0)
+    names = ["plain"] + (["ours"] if args.ours != "async" else []) + (["ours async"] if args.ours != "sync" else [])
+    runs = {}
+    for name in names:  # each in a process of its own: no memory or threads left over from the one before
+        file = tmp / f"{name.replace(' ', '_')}.json"
+        subprocess.run([sys.executable, __file__, "--workload", args.workload, "--steps", str(args.steps),
+                        "--part", f"{name}:{file}"], check=True)
+        runs[name] = json.loads(file.read_text())
     print(f"workload {args.workload}: {' '.join(WORKLOADS[args.workload]) or 'main.py defaults'}")
-    print(f"{'':8} {'s/step':>8} {'generate':>9} {'train':>7} {'sync':>6} {'setup s':>8} {'peak GiB':>9}")
-    for name, r in (("plain", b), ("ours", a)):
+    print(f"{'':10} {'s/step':>8} {'generate':>9} {'train':>7} {'sync':>6} {'setup s':>8} {'peak GiB':>9} {'reward':>7}")
+    b = runs["plain"]
+    sb = b["steps"][args.warmup:]
+    for name, r in runs.items():
         s = r["steps"][args.warmup:]
-        print(f"{name:8} {med(s, 'step_s'):8.3f} {med(s, 'gen_s'):9.3f} {med(s, 'train_s'):7.3f} "
-              f"{med(s, 'sync_s') if 'sync_s' in s[0] else 0.0:6.3f} {r['setup_s']:8.1f} {r['peak_gib']:9.2f}")
-    sa, sb = a["steps"][args.warmup:], b["steps"][args.warmup:]
-    print(f"ours / plain: step {med(sa, 'step_s') / med(sb, 'step_s'):.2f} (goal <= 0.7), "
-          f"generation {med(sa, 'gen_s') / med(sb, 'gen_s'):.2f} (goal <= 3), "
-          f"set-up {a['setup_s'] / max(b['setup_s'], 1e-9):.1f}, peak memory {a['peak_gib'] / b['peak_gib']:.2f} (goal <= 2)")
-    print(f"reward, mean of the last {len(sa)} steps: plain {statistics.mean(r['reward'] for r in sb):.3f}, "
-          f"ours {statistics.mean(r['reward'] for r in sa):.3f}")
+        print(f"{name:10} {med(s, 'step_s'):8.3f} {med(s, 'gen_s'):9.3f} {med(s, 'train_s'):7.3f} "
+              f"{med(s, 'sync_s') if 'sync_s' in s[0] else 0.0:6.3f} {r['setup_s']:8.1f} {r['peak_gib']:9.2f} "
+              f"{statistics.mean(x['reward'] for x in s):7.3f}")
+    print("(generate: ours = the trainer waiting for rollouts; reward: mean of the steps after warm-up)")
+    for name, r in runs.items():
+        print(f"{name} peak memory by process (GiB): {r['memory']}")
+    for name, a in runs.items():
+        if name != "plain":
+            sa = a["steps"][args.warmup:]
+            print(f"{name} / plain: step {med(sa, 'step_s') / med(sb, 'step_s'):.2f} (goal <= 0.7), "
+                  f"generation {med(sa, 'gen_s') / med(sb, 'gen_s'):.2f} (goal <= 3), "
+                  f"set-up {a['setup_s'] / max(b['setup_s'], 1e-9):.1f}, "
+                  f"peak memory {a['peak_gib'] / b['peak_gib']:.2f} (goal <= 2)")
