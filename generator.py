@@ -116,12 +116,20 @@ class Generator:
                  partial_rollout: bool = False, tp_size: int = 1, dp_size: int = 1,
                  expert_parallel: bool = False, spec_decode: str | None = None, spec_tokens: int = 3,
                  max_images: int = 8, trust_remote_code: bool = False, max_seqs: int = 1024):
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; CPU only
         from transformers import AutoConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        vlm = hasattr(AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code), "vision_config")
+        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+        vlm = hasattr(config, "vision_config")
+        kv = {}
+        if not torch.cuda.is_available() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            # vLLM-CPU's own default is a share of the machine's memory: give it the KV of
+            # max_seqs full-length sequences instead, between 64 MiB and 1 GiB.
+            text = config.get_text_config()
+            head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+            per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * (4 if dtype == "float32" else 2)
+            kv["kv_cache_memory_bytes"] = min(1 << 30, max(64 << 20, max_seqs * max_len * per_token))
 
         args = AsyncEngineArgs(
             model=model, dtype=dtype, max_model_len=max_len, seed=seed,
@@ -134,7 +142,7 @@ class Generator:
             # a placement group vLLM would otherwise pick its Ray executor and ask for GPUs again.
             distributed_executor_backend="mp" if tp_size > 1 else None,
             enable_expert_parallel=expert_parallel,
-            max_num_seqs=max_seqs, max_num_batched_tokens=max(8192, max_len),
+            max_num_seqs=max_seqs, max_num_batched_tokens=max(8192, max_len), **kv,
             speculative_config=speculative_config(spec_decode, spec_tokens),
             trust_remote_code=trust_remote_code,
             # Images per request (all turns of a trajectory); no video input.
@@ -156,23 +164,32 @@ class Generator:
         """Many `generate` calls in one Ray call (a Ray call per request costs the driver
         about a millisecond: 0.5 s of a 512-rollout step). `requests` are (request id,
         prompt_ids, sampling, images); yields lists of (request id, result, error text)
-        as requests finish. `cancel(ids)` stops some of them."""
-        tasks = {asyncio.ensure_future(self.generate(*args)): rid for rid, *args in requests}
-        self._requests.update({rid: task for task, rid in tasks.items()})
+        as requests finish. `cancel(ids)` stops some of them.
+
+        Requests with the same prompt and sampling (a group's first turn) become one vLLM
+        request for n samples: one prefill and one request's overhead instead of n. Each
+        sample keeps its own tokens and logprobs. Not with a seed, images or partial rollout."""
+        same: dict[tuple, tuple] = {}
+        for rid, prompt, sampling, images in requests:
+            key = ((rid,) if images or self.partial_rollout or "seed" in sampling
+                   else (tuple(prompt), repr(sorted(sampling.items()))))
+            same.setdefault(key, (prompt, sampling, images, []))[3].append(rid)
+        tasks = {asyncio.ensure_future(self._generate(p, s, im, len(rids))): rids for p, s, im, rids in same.values()}
+        self._requests.update({rid: task for task, rids in tasks.items() for rid in rids})
         pending = set(tasks)
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 out = []
                 for task in done:
-                    rid = tasks[task]
-                    self._requests.pop(rid, None)
-                    if task.cancelled():
-                        out.append((rid, None, "cancelled"))
-                    elif task.exception() is not None:
-                        out.append((rid, None, "".join(traceback.format_exception(task.exception()))))
-                    else:
-                        out.append((rid, task.result(), None))
+                    for k, rid in enumerate(tasks[task]):
+                        self._requests.pop(rid, None)
+                        if task.cancelled():
+                            out.append((rid, None, "cancelled"))
+                        elif task.exception() is not None:
+                            out.append((rid, None, "".join(traceback.format_exception(task.exception()))))
+                        else:
+                            out.append((rid, task.result()[k], None))
                 yield out
         finally:
             for task in pending:
@@ -181,12 +198,17 @@ class Generator:
     def cancel(self, request_ids: list[str]):
         for rid in request_ids:
             task = self._requests.pop(rid, None)
-            if task is not None:
+            if task is not None and task not in self._requests.values():  # no other sample wants it
                 task.cancel()  # vLLM aborts a cancelled generate
 
     async def generate(self, prompt_ids: list[int], sampling: dict, images: list | None = None) -> dict:
-        """Sample one completion. Returns token_ids, logprobs and versions (one per
-        token: the policy version that sampled it), version (of the first token),
+        """Sample one completion (`_generate` says what comes back)."""
+        return (await self._generate(prompt_ids, sampling, images, 1))[0]
+
+    async def _generate(self, prompt_ids: list[int], sampling: dict, images: list | None, n: int) -> list[dict]:
+        """Sample n completions of one prompt (n > 1 only without partial rollout). Each has
+        token_ids, logprobs and versions (one per token: the policy version that sampled
+        it), version (of the first token),
         finish_reason and stop_reason (the stop string that ended it, else None).
 
         `stop` strings end generation at the first sampled token that completes one;
@@ -209,36 +231,34 @@ class Generator:
         sampling = dict(sampling)
         k = sampling.pop("top_logprobs", 0) or 0
         # Stop strings need vLLM's detokenizer (text is decoded for matching only; ids stay as sampled).
-        params = SamplingParams(**sampling, logprobs=k, detokenize=bool(sampling.get("stop")),
+        params = SamplingParams(**sampling, n=n, logprobs=k, detokenize=bool(sampling.get("stop")),
                                 skip_special_tokens=False, output_kind=kind)
         prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
         if images:
             import vision
             prompt["multi_modal_data"] = {"image": [vision.load_image(i) for i in images]}
-        token_ids, logprobs, versions, tops, finish, stop, seen = [], [], [], [], None, None, None
+        results = [{"token_ids": [], "logprobs": [], "versions": [], "finish_reason": None, "stop_reason": None,
+                    **({"top_logprobs": []} if k else {})} for _ in range(n)]
         self._enter()
         try:
             async for out in self.engine.generate(prompt, params, request_id=f"r{next(self._ids)}"):
-                seen = out.prompt_token_ids
-                comp = out.outputs[0]
-                new = list(comp.token_ids)
-                token_ids += new
-                logprobs += [step[tok].logprob for step, tok in zip(comp.logprobs, new)]
-                versions += [self.version] * len(new)
-                if k:
-                    tops += [sorted(([t, lp.logprob] for t, lp in step.items()), key=lambda x: -x[1])[:k]
-                             for step in comp.logprobs]   # the k likeliest (the sampled token may be extra)
-                finish, stop = comp.finish_reason, comp.stop_reason
+                for comp in out.outputs:
+                    r, new = results[comp.index], list(comp.token_ids)
+                    r["token_ids"] += new
+                    r["logprobs"] += [step[tok].logprob for step, tok in zip(comp.logprobs, new)]
+                    r["versions"] += [self.version] * len(new)
+                    if k:  # the k likeliest (the sampled token may be extra)
+                        r["top_logprobs"] += [sorted(([t, lp.logprob] for t, lp in step.items()),
+                                                     key=lambda x: -x[1])[:k] for step in comp.logprobs]
+                    r["finish_reason"] = comp.finish_reason
+                    r["stop_reason"] = comp.stop_reason if isinstance(comp.stop_reason, str) else None
+                    if images:
+                        r["prompt_ids"] = list(out.prompt_token_ids)
         finally:
             self._exit()
-        result = {"token_ids": token_ids, "logprobs": logprobs, "versions": versions,
-                  "version": versions[0] if versions else self.version, "finish_reason": finish,
-                  "stop_reason": stop if isinstance(stop, str) else None}
-        if k:
-            result["top_logprobs"] = tops
-        if images:
-            result["prompt_ids"] = list(seen)
-        return result
+        for r in results:
+            r["version"] = r["versions"][0] if r["versions"] else self.version
+        return results
 
     async def join_weight_sync(self, host: str, port: int, first_rank: int, world: int):
         """Join the trainer's broadcast group (`--weight_sync broadcast`); blocks until all joined."""

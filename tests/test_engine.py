@@ -45,10 +45,14 @@ def _sample(engine, loop, tokenizer, n=8):
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "3?7="}],
                                            add_generation_prompt=True, tokenize=True)["input_ids"]
 
-    async def many():
-        return await asyncio.gather(*[engine.generate(prompt, {"temperature": TEMPERATURE, "max_tokens": 12})
-                                      for _ in range(n)])
+    async def many():  # the loop's path: one batch, the n identical requests one vLLM request with n samples
+        out = {}
+        async for part in engine.generate_batch([(f"s{i}", prompt, {"temperature": TEMPERATURE, "max_tokens": 12},
+                                                  None) for i in range(n)]):
+            out.update({rid: result for rid, result, error in part if error is None})
+        return [out[f"s{i}"] for i in range(n)]
     outs = loop.run_until_complete(many())
+    assert len({tuple(o["token_ids"]) for o in outs}) > 1  # n samples, not one copied n times
     return [{"tokens": prompt + o["token_ids"], "mask": [0] * len(prompt) + [1] * len(o["token_ids"]),
              "logprobs": [0.0] * len(prompt) + o["logprobs"], "versions": [-1] * len(prompt) + [o["version"]] * len(o["token_ids"]),
              "reward": float(i % 2), "group": 0, "rollout_id": i} for i, o in enumerate(outs)]
