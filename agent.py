@@ -34,6 +34,7 @@ agent's `prompts(seed)` or from a `--dataset` file (data.py).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import logging
@@ -192,8 +193,13 @@ def _render(tokenizer, messages: list[dict], add_generation_prompt: bool,
 
 
 def _encode(tokenizer, text: str) -> list[int]:
+    return list(_encode_text(tokenizer, text))
+
+
+@functools.lru_cache(maxsize=4096)  # a group's rollouts all start from the same prompt text
+def _encode_text(tokenizer, text: str) -> tuple[int, ...]:
     # The template already wrote every special token; add none of our own.
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _messages(prompt: Any) -> list[dict]:

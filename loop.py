@@ -28,7 +28,6 @@ import sys
 import time
 import traceback
 from collections import Counter
-from dataclasses import asdict
 from pathlib import Path
 
 import agent as agents
@@ -255,7 +254,8 @@ async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, to
                 groups = None
             else:
                 groups = await collect(pool, cfg, version - start["version"], first_step=not history)
-                trajs = [asdict(t) for g in groups for t in g["trajectories"]]
+                # Shallow: Ray copies them anyway, and asdict's deep copy was 15% of the driver's time.
+                trajs = [dict(vars(t)) for g in groups for t in g["trajectories"]]
             t_gen = time.perf_counter() - t_step
             if cfg["dump_rollouts"]:
                 dump = Path(cfg["dump_rollouts"]) / f"step_{step:06d}.jsonl"
