@@ -16,11 +16,11 @@ convention the trainer uses (`losses.token_logprobs`).
 
 Weights travel one of two ways (`--weight_sync`), behind one `update_weights`:
   ray        one safetensors blob through Ray's object store (shared memory on
-             one node; works anywhere, the default on CPU);
+             one node; works anywhere; the default with exactly one GPU);
   broadcast  the trainer's rank 0 broadcasts the weights in flat buckets of
              `--sync_bucket_mb` into every engine worker over a process group
              of their own (nccl on GPU, gloo on CPU), each tensor in its own
-             dtype (`send_weights` / `receive_weights`; the default on GPU).
+             dtype (`send_weights` / `receive_weights`; the default otherwise).
 `WeightReceiver` is the vLLM worker extension that receives them inside the
 engine's worker and reloads the weights in place.
 
@@ -296,6 +296,12 @@ class Generator:
             await asyncio.sleep(0.001)
 
     def get_version(self) -> int:
+        return self.version
+
+    async def warm_up(self) -> int:
+        """One short request at start-up: the first forward of a fresh engine takes seconds
+        (kernel set-up), which would otherwise count against the first rollouts' --agent_timeout."""
+        await self.generate([0, 1, 2], {"max_tokens": 2, "temperature": 1.0})
         return self.version
 
     def take_busy_seconds(self) -> float:

@@ -364,7 +364,7 @@ def run_tagged(cfg: dict) -> dict:
     try:
         engines = None if cfg["replay_rollouts"] else start_engines(cfg)
         trainer = TrainerGroup(cfg)
-        wait_ready(cfg, [*trainer.ready()] + ([a.get_version.remote() for a in engines.actors] if engines else []))
+        wait_ready(cfg, [*trainer.ready()] + ([a.warm_up.remote() for a in engines.actors] if engines else []))
         if engines is not None:
             asyncio.run(engines.connect(trainer))
         if resume_from is not None:

@@ -139,7 +139,7 @@ def test_agents_that_break_after_step_one_stop_the_run(tiny_model, tmp_path):
     rc = run.wait()
     err = run.stderr()
     assert rc == 1, err[-3000:]
-    assert [m["step"] for m in metric_lines(out)] == [1]
+    assert [m["step"] for m in metric_lines(out)] == [1], err[-3000:]
     assert "every rollout of the last 5 groups failed (--max_failed_groups 5" in err, err[-3000:]
     assert "'error':" in err and "'timeout':" in err            # the counts, by reason
     assert "ValueError: agent bug at call" in err                # the raising agent's traceback
