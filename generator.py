@@ -421,7 +421,6 @@ class Engines:
         self.actors, self.check, self.broadcast = actors, check_weight_sync, broadcast
         self.workers_per_engine = workers_per_engine
         self.load = [0] * len(actors)  # prompt + max new tokens of requests in flight
-        self.ray_calls = 0             # generate_batch calls made (for the bench)
         self._ids = itertools.count()
         self._queued: dict[tuple, list] = {}       # (event loop, engine) -> requests not sent yet
         self._waiting: dict[str, asyncio.Future] = {}
@@ -464,7 +463,6 @@ class Engines:
             task.add_done_callback(self._streams.discard)
 
     async def _stream(self, i: int, batch: list[tuple]):
-        self.ray_calls += 1
         try:
             async for ref in self.actors[i].generate_batch.options(num_returns="streaming").remote(batch):
                 for rid, result, error in await ref:
