@@ -25,9 +25,12 @@ The reply is one completion of sampled ids; a streamed reply is the same reply
 rendered as server-sent events, so streaming never changes the trace.
 
 The server's rules:
-  - sampling is the run's (`ctx.sampling_params`): request temperature, top_p and
-    seed are ignored so every token keeps the run's logprob convention; `n` > 1 is
-    refused (400);
+  - sampling is the run's (`ctx.sampling_params`): request temperature, top_p, top_k
+    and seed are ignored so every token keeps the run's logprob convention (the reply
+    header `x-molt-ignored` names them); `n` > 1 is refused (400);
+  - every other field is honoured or refused (400): unknown fields as the real APIs
+    refuse them, known ones we cannot honour (tool_choice "required", structured
+    output, penalties, reasoning settings...) unless given their default;
   - stop strings (`stop`, `stop_sequences`) end generation at the first sampled
     token that completes one; the trace keeps the ids up to and including it, the
     reply text is cut before the stop string;
@@ -196,6 +199,50 @@ def _chat_tools(tools: Any, where: str = "tools") -> list[dict] | None:
 def _no_n(body: dict):
     _need(body.get("n") in (1, None), "n > 1 is not supported: send one request per sample "
                                        "(each sample is then its own rollout segment)")
+
+
+# Every top-level field each API knows (as of openai 3.57 and anthropic 2.15), in three kinds
+# beside those the decoders below read: INERT fields do not change the sample (ids, metadata,
+# caching and routing hints); RUN_SAMPLING gives way to the run's sampling (the reply names them
+# in `x-molt-ignored`); ONLY fields are honoured at the listed values (what the server does
+# anyway) and refused at any other. Unknown fields are refused, as the real APIs refuse them.
+_READ = {"openai": "model messages tools max_tokens max_completion_tokens stop stream stream_options logprobs "
+                   "top_logprobs n",
+         "anthropic": "model messages max_tokens system stop_sequences stream tools",
+         "count_tokens": "model messages system tools",
+         "responses": "model input instructions tools max_output_tokens stream previous_response_id include "
+                      "top_logprobs"}
+_CACHE = "metadata service_tier safety_identifier prompt_cache_key prompt_cache_retention prompt_cache_options moderation"
+_ANTHROPIC_INERT = "cache_control speed workspace_id user_profile_id"
+_INERT = {"openai": "user store " + _CACHE, "responses": "user store stream_options " + _CACHE,
+          "anthropic": "metadata service_tier inference_geo " + _ANTHROPIC_INERT, "count_tokens": _ANTHROPIC_INERT}
+RUN_SAMPLING = {"openai": ("temperature", "top_p", "seed"), "anthropic": ("temperature", "top_p", "top_k"),
+                "count_tokens": (), "responses": ("temperature", "top_p")}
+_AUTO = {"type": "auto"}
+_ANTHROPIC_ONLY = {"thinking": ({"type": "disabled"},), "output_config": (), "output_format": (), "container": (),
+                   "diagnostics": (), "tool_choice": (_AUTO, {**_AUTO, "disable_parallel_tool_use": False})}
+_ONLY = {"openai": {"tool_choice": ("auto",), "parallel_tool_calls": (True,), "response_format": ({"type": "text"},),
+                    "modalities": (["text"],), "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},),
+                    "reasoning_effort": (), "verbosity": (), "audio": (), "prediction": (), "web_search_options": (),
+                    "functions": (), "function_call": ()},
+         "anthropic": _ANTHROPIC_ONLY, "count_tokens": _ANTHROPIC_ONLY,
+         "responses": {"tool_choice": ("auto",), "parallel_tool_calls": (True,), "truncation": ("disabled",),
+                       "text": ({"format": {"type": "text"}},), "reasoning": (), "background": (False,),
+                       "background_options": (), "context_management": (), "conversation": (), "prompt": (),
+                       "max_tool_calls": (), "image": (), "access_programs": ()}}
+
+
+def check_fields(api: str, body: dict) -> list[str]:
+    """Refuse (BadRequest) what `api` cannot honour; the run-sampling fields the body sets."""
+    for k, v in body.items():
+        if k in _READ[api].split() or k in _INERT[api].split() or k in RUN_SAMPLING[api] or v is None:
+            continue
+        if k not in _ONLY[api]:
+            raise BadRequest(f"{k}: Extra inputs are not permitted" if api in ("anthropic", "count_tokens")
+                             else f"Unrecognized request argument supplied: {k}")
+        _need(v in _ONLY[api][k], f"{k}={json.dumps(v)[:80]} is not supported by this server" + (
+            f" (only {' or '.join(json.dumps(x) for x in _ONLY[api][k])})" if _ONLY[api][k] else ""))
+    return [k for k in RUN_SAMPLING[api] if body.get(k) is not None]
 
 
 def openai_request(body: dict) -> Request:
@@ -733,6 +780,7 @@ class ChatServer:
         try:
             _need(session, f"no open session {request.match_info['session']!r} (closed, or never opened)")
             body = await _read_json(request)
+            ignored = check_fields(api, body)
             key = json.dumps(body, sort_keys=True)
             async with session.lock:
                 if api != "count_tokens" and session.last and session.last[:2] == (api, key):
@@ -751,7 +799,8 @@ class ChatServer:
             if session.error is not e:
                 log.exception("chat server: request failed")
             return web.json_response(error_body(fmt, 500, f"{type(e).__name__}: {e}"), status=500)
-        headers = {"x-molt-cached": "true"} if cached else {}
+        headers = {**({"x-molt-cached": "true"} if cached else {}),
+                   **({"x-molt-ignored": ", ".join(ignored)} if ignored else {})}   # the run's sampling applies
         if isinstance(response, dict):
             return web.json_response(response, headers=headers)
         return web.Response(body=_sse(response), content_type="text/event-stream",

@@ -312,6 +312,60 @@ def test_models_count_tokens_n_and_retries(server, loop, tiny_tokenizer):
     check_token_exact(segs, rec.calls)
 
 
+def test_fields_are_honoured_or_refused_never_ignored(server, loop, tiny_tokenizer):
+    """Unknown fields are refused as the real APIs refuse them; known fields the server cannot
+    honour are refused unless given their default; the run's sampling replaces a request's
+    temperature/top_p/top_k/seed, and the reply header names the ones it set aside."""
+    tok = tiny_tokenizer
+    rec = fake(tok, ["7"] * 8)
+    msgs = [{"role": "user", "content": "3?7="}]
+
+    async def go():
+        s = session(server, rec, tok)
+        out = {}
+        async with openai.AsyncOpenAI(base_url=s.base_url, api_key="k", max_retries=0) as client:
+            chat = client.chat.completions
+            for name, extra in (("unknown", {"extra_body": {"top_k": 5}}), ("required", {"tool_choice": "required"}),
+                                ("json", {"response_format": {"type": "json_object"}}),
+                                ("penalty", {"presence_penalty": 0.5})):
+                with pytest.raises(openai.BadRequestError) as e:
+                    await chat.create(model="m", messages=msgs, **extra)
+                out[name] = e.value.message
+            ok = await chat.with_raw_response.create(model="m", messages=msgs, temperature=0.2, seed=3, user="a",
+                                                     tool_choice="auto", presence_penalty=0, parallel_tool_calls=True,
+                                                     response_format={"type": "text"}, metadata={"k": "v"})
+            plain = await chat.with_raw_response.create(model="m", messages=msgs, user="b")
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.responses.create(model="m", input="3?7=", extra_body={"foo": 1})
+            out["responses"] = e.value.message
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.responses.create(model="m", input="3?7=", tool_choice="required")
+            out["responses required"] = e.value.message
+            r = await client.responses.with_raw_response.create(model="m", input="3?7=", temperature=0.5,
+                                                                truncation="disabled", store=False)
+        async with anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key="k", max_retries=0) as client:
+            with pytest.raises(anthropic.BadRequestError) as e:
+                await client.messages.create(model="m", max_tokens=4, messages=msgs, extra_body={"foo": 1})
+            out["anthropic"] = e.value.message
+            with pytest.raises(anthropic.BadRequestError) as e:
+                await client.messages.create(model="m", max_tokens=4, messages=msgs,
+                                             thinking={"type": "enabled", "budget_tokens": 1024})
+            out["thinking"] = e.value.message
+            a = await client.messages.with_raw_response.create(   # temperature: older clients still send it
+                model="m", max_tokens=4, messages=msgs, tool_choice={"type": "auto"}, extra_body={"temperature": 0.3})
+        server.close_session(s.id)
+        return out, ok, plain, r, a
+    out, ok, plain, r, a = loop.run_until_complete(go())
+    assert "Unrecognized request argument supplied: top_k" in out["unknown"]
+    assert "tool_choice" in out["required"] and "not supported" in out["required"]
+    assert "response_format" in out["json"] and "presence_penalty" in out["penalty"]
+    assert "Unrecognized request argument supplied: foo" in out["responses"] and "tool_choice" in out["responses required"]
+    assert "foo: Extra inputs are not permitted" in out["anthropic"] and "thinking" in out["thinking"]
+    assert ok.headers["x-molt-ignored"] == "temperature, seed" and "x-molt-ignored" not in plain.headers
+    assert r.headers["x-molt-ignored"] == "temperature" and a.headers["x-molt-ignored"] == "temperature"
+    assert len(rec.calls) == 4 and all(s["temperature"] == SAMPLING["temperature"] for s in rec.sampling)
+
+
 # ----------------------------------------------------------- equivalent history extends the trace
 
 
