@@ -330,6 +330,7 @@ class Generator:
 
 
 SYNC_TIMEOUT = datetime.timedelta(minutes=10)  # a broadcast peer that died surfaces as an error
+JOIN_TIMEOUT = datetime.timedelta(minutes=2)   # the store unreachable from a node: say so, do not wait 10 min
 
 
 def weight_sync_group(host: str, port: int, rank: int, world: int, device: torch.device | str):
@@ -337,7 +338,13 @@ def weight_sync_group(host: str, port: int, rank: int, world: int, device: torch
     worker, apart from the global group (vLLM's workers and the FSDP ranks each have their
     own). Returns the backend object: nccl on GPU, gloo on CPU."""
     import torch.distributed as dist
-    store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=SYNC_TIMEOUT, wait_for_workers=False)
+    try:
+        store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=JOIN_TIMEOUT, wait_for_workers=False)
+    except (RuntimeError, TimeoutError) as e:   # torch raises DistStoreError, a RuntimeError
+        raise RuntimeError(f"weight-sync group: rank {rank} could not reach the trainer's store at {host}:{port} "
+                           f"within {JOIN_TIMEOUT}: every engine node must reach the trainer's node on ephemeral "
+                           f"TCP ports (firewall? GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME?) ({e})") from e
+    store.set_timeout(SYNC_TIMEOUT)
     store = dist.PrefixStore("molt_weight_sync", store)
     if torch.device(device).type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
