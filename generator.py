@@ -143,6 +143,7 @@ class Generator:
             distributed_executor_backend="mp" if tp_size > 1 else None,
             enable_expert_parallel=expert_parallel,
             max_num_seqs=max_seqs, max_num_batched_tokens=max(8192, max_len), **kv,
+            disable_log_stats=True,   # vLLM's per-step stats and Prometheus loggers: nothing here reads them
             speculative_config=speculative_config(spec_decode, spec_tokens),
             trust_remote_code=trust_remote_code,
             # Images per request (all turns of a trajectory); no video input.
@@ -168,7 +169,8 @@ class Generator:
 
         Requests with the same prompt and sampling (a group's first turn) become one vLLM
         request for n samples: one prefill and one request's overhead instead of n. Each
-        sample keeps its own tokens and logprobs. Not with a seed, images or partial rollout."""
+        sample keeps its own tokens and logprobs (and token versions). Not with a seed or images,
+        nor with partial rollout (bench/async_overlap.py's long workload measured it slower there)."""
         same: dict[tuple, tuple] = {}
         for rid, prompt, sampling, images in requests:
             key = ((rid,) if images or self.partial_rollout or "seed" in sampling
@@ -206,7 +208,7 @@ class Generator:
         return (await self._generate(prompt_ids, sampling, images, 1))[0]
 
     async def _generate(self, prompt_ids: list[int], sampling: dict, images: list | None, n: int) -> list[dict]:
-        """Sample n completions of one prompt (n > 1 only without partial rollout). Each has
+        """Sample n completions of one prompt. Each has
         token_ids, logprobs and versions (one per token: the policy version that sampled
         it), version (of the first token),
         finish_reason and stop_reason (the stop string that ended it, else None).
@@ -225,14 +227,11 @@ class Generator:
         unknown = set(sampling) - set(SAMPLING_KEYS)
         if unknown:
             raise ValueError(f"unknown sampling keys {sorted(unknown)}; allowed: {SAMPLING_KEYS}")
-        # With partial rollout a request can outlive a weight update: stream the
-        # tokens so each is stamped with the version that was loaded when it came out.
-        kind = RequestOutputKind.DELTA if self.partial_rollout else RequestOutputKind.FINAL_ONLY
         sampling = dict(sampling)
         k = sampling.pop("top_logprobs", 0) or 0
         # Stop strings need vLLM's detokenizer (text is decoded for matching only; ids stay as sampled).
         params = SamplingParams(**sampling, n=n, logprobs=k, detokenize=bool(sampling.get("stop")),
-                                skip_special_tokens=False, output_kind=kind)
+                                skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY)
         prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
         if images:
             import vision
@@ -246,7 +245,10 @@ class Generator:
                     r, new = results[comp.index], list(comp.token_ids)
                     r["token_ids"] += new
                     r["logprobs"] += [step[tok].logprob for step, tok in zip(comp.logprobs, new)]
-                    r["versions"] += [self.version] * len(new)
+                    # With partial rollout a request can outlive a weight update: vLLM's engine core
+                    # labels every step with the weights it ran (update_weight_version), as spans.
+                    r["versions"] += [int(_VERSION.get(v.version, v.version)) for v in comp.weight_versions or ()
+                                      for _ in range(v.start, v.end)]
                     if k:  # the k likeliest (the sampled token may be extra)
                         r["top_logprobs"] += [sorted(([t, lp.logprob] for t, lp in step.items()),
                                                      key=lambda x: -x[1])[:k] for step in comp.logprobs]
@@ -257,6 +259,9 @@ class Generator:
         finally:
             self._exit()
         for r in results:
+            if len(r["versions"]) != len(r["token_ids"]):
+                raise RuntimeError(f"vLLM's weight-version spans cover {len(r['versions'])} of "
+                                   f"{len(r['token_ids'])} sampled tokens")
             r["version"] = r["versions"][0] if r["versions"] else self.version
         return results
 
@@ -279,21 +284,11 @@ class Generator:
             missing = await (self.engine.collective_rpc("molt_receive_weights") if blob is None
                              else self.engine.collective_rpc("molt_load_weights", args=(blob,)))
             await self.engine.reset_prefix_cache()  # no KV from old weights survives
-            await self._drain()
+            await self.engine.update_weight_version(str(version))   # labels the steps from here on
             self.version = version
         finally:
             await self.engine.resume_generation()
         return {"seconds": time.perf_counter() - t0, "missing": sorted({n for names in missing for n in names})}
-
-    async def _drain(self, timeout: float = 5.0):
-        """Wait until every output produced before the pause has reached its request
-        (so no old-version token is stamped with the new version)."""
-        states = self.engine.output_processor.request_states
-        deadline = time.perf_counter() + timeout
-        while any(s.queue is not None and s.queue.output is not None for s in states.values()):
-            if time.perf_counter() > deadline:
-                raise RuntimeError("vLLM outputs did not drain after pausing for a weight update")
-            await asyncio.sleep(0.001)
 
     def get_version(self) -> int:
         return self.version
@@ -329,6 +324,7 @@ class Generator:
             self.engine.shutdown = lambda *args, **kwargs: None
 
 
+_VERSION = {"default": 0}   # vLLM's label of the weights an engine started with; ours are str(version)
 SYNC_TIMEOUT = datetime.timedelta(minutes=10)  # a broadcast peer that died surfaces as an error
 JOIN_TIMEOUT = datetime.timedelta(minutes=2)   # the store unreachable from a node: say so, do not wait 10 min
 

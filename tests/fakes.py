@@ -17,11 +17,12 @@ class FakeEngine:
         return {"token_ids": reply, "logprobs": [-0.5] * len(reply), "version": 3, "finish_reason": "stop"}
 
 
-async def tokens_out(gen, n: int, timeout: float = 60.0):
-    """Wait until the engine's one request in flight has produced at least n tokens."""
+async def tokens_out(gen, n: int, timeout: float = 60.0, requests: int = 1):
+    """Wait until `requests` requests in flight (samples of one vLLM request count apart) have
+    each produced at least n tokens."""
     deadline = time.monotonic() + timeout
-    while not any(s.detokenizer.num_output_tokens() >= n
-                  for s in gen.engine.output_processor.request_states.values()):
+    while sum(s.detokenizer.num_output_tokens() >= n
+              for s in gen.engine.output_processor.request_states.values()) < requests:
         assert time.monotonic() < deadline, f"no request produced {n} tokens within {timeout}s"
         await asyncio.sleep(0.005)
 

@@ -104,7 +104,8 @@ def test_weight_sync_matches_a_plain_transformers_forward(engine, trainer, loop,
 
 def test_partial_rollout_keeps_requests_across_a_weight_update(engine, trainer, loop, tiny_tokenizer, tmp_path):
     """One sequence, two policy versions: each token carries the logprob of the
-    weights that sampled it (old before the update, new after, KV recomputed)."""
+    weights that sampled it (old before the update, new after, KV recomputed). Also for
+    two samples of one prompt sent in one generate_batch."""
     from transformers import AutoModelForCausalLM
     old_model = AutoModelForCausalLM.from_pretrained(trainer.export(str(tmp_path / "old")), dtype=torch.float32)
     trainer.train_step(_sample(engine, loop, tiny_tokenizer))
@@ -113,20 +114,33 @@ def test_partial_rollout_keeps_requests_across_a_weight_update(engine, trainer, 
                                                 add_generation_prompt=True, tokenize=True)["input_ids"]
     engine.partial_rollout = True
     try:
+        sampling = {"temperature": TEMPERATURE, "max_tokens": 300, "ignore_eos": True}
+
+        async def merged():
+            out = {}
+            async for part in engine.generate_batch([(f"m{i}", prompt, sampling, None) for i in range(2)]):
+                out.update({rid: result for rid, result, _ in part})
+            return [out["m0"], out["m1"]]
+
         async def scenario():
-            task = asyncio.create_task(engine.generate(
-                prompt, {"temperature": TEMPERATURE, "max_tokens": 300, "ignore_eos": True}))
-            await tokens_out(engine, 2)  # the first tokens come from the old weights
+            task, pair = asyncio.create_task(engine.generate(prompt, sampling)), asyncio.create_task(merged())
+            await tokens_out(engine, 2, requests=3)  # the first tokens come from the old weights
             await engine.update_weights(trainer.weights_blob(), trainer.version)
-            return await task
-        out = loop.run_until_complete(scenario())
+            return [await task, *await pair]
+        outs = loop.run_until_complete(scenario())
     finally:
         engine.partial_rollout = False
+    assert outs[1]["token_ids"] != outs[2]["token_ids"]   # two samples, not one copied
+    for out in outs:
+        _check_two_versions(out, prompt, old_model, new_model, trainer.version)
+
+
+def _check_two_versions(out, prompt, old_model, new_model, version):
     versions = out["versions"]
-    assert len(out["token_ids"]) == 300 and versions[0] == trainer.version - 1 and versions[-1] == trainer.version
+    assert len(out["token_ids"]) == 300 and versions[0] == version - 1 and versions[-1] == version
     assert versions == sorted(versions), "versions only move forward within a sequence"
     ids = torch.tensor([prompt + out["token_ids"]])
-    for model, v in ((old_model, trainer.version - 1), (new_model, trainer.version)):
+    for model, v in ((old_model, version - 1), (new_model, version)):
         with torch.no_grad():
             lp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1] / TEMPERATURE, -1)
         ref = lp.gather(-1, ids[0, len(prompt):, None])[:, 0]
