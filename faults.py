@@ -122,11 +122,13 @@ def _still_running(known: dict[int, float] | None) -> list[int]:
     """The pids of `known` ({pid: start time}) that still run as the same, live process."""
     import psutil
     alive = []
-    for pid, created in (known or {}).items():
+    for pid, created in list((known or {}).items()):
         try:
             p = psutil.Process(pid)
             if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
                 alive.append(pid)
+                # Children started since the last snapshot (an agent's own helper process): ours too.
+                known.update({c.pid: c.create_time() for c in p.children(recursive=True)})
         except psutil.Error:
             pass
     return alive

@@ -428,6 +428,7 @@ class Engines:
         self._queued: dict[tuple, list] = {}       # (event loop, engine) -> requests not sent yet
         self._waiting: dict[str, asyncio.Future] = {}
         self._streams: set[asyncio.Task] = set()
+        self._version: int | None = None           # the engines' policy version, once asked
 
     def session(self):
         chosen: list[int] = []
@@ -485,7 +486,11 @@ class Engines:
         return await self.session()(prompt_ids, sampling, images)
 
     async def version(self) -> int:
-        return await self.actors[0].get_version.remote()
+        """The policy version the engines hold: asked once, then known from `update_weights`
+        (every group's start asked an engine: a Ray call per group)."""
+        if self._version is None:
+            self._version = await self.actors[0].get_version.remote()
+        return self._version
 
     async def connect(self, trainer):
         """Form the broadcast group: the trainer's rank 0 and every engine worker."""
@@ -509,6 +514,7 @@ class Engines:
         if missing and self.check:
             raise RuntimeError(f"--check_weight_sync: the weight update did not cover {len(missing)} engine "
                                f"parameters: {', '.join(missing[:20])}")
+        self._version = version
         return max(r["seconds"] for r in results)
 
     async def busy_seconds(self) -> float:

@@ -235,12 +235,12 @@ _ONLY = {"openai": {"tool_choice": ("auto",), "parallel_tool_calls": (True,), "r
 def check_fields(api: str, body: dict) -> list[str]:
     """Refuse (BadRequest) what `api` cannot honour; the run-sampling fields the body sets."""
     for k, v in body.items():
-        if k in _READ[api].split() or k in _INERT[api].split() or k in RUN_SAMPLING[api] or v is None:
+        if k in _READ[api].split() or k in _INERT[api].split() or k in RUN_SAMPLING[api]:
             continue
         if k not in _ONLY[api]:
             raise BadRequest(f"{k}: Extra inputs are not permitted" if api in ("anthropic", "count_tokens")
                              else f"Unrecognized request argument supplied: {k}")
-        _need(v in _ONLY[api][k], f"{k}={json.dumps(v)[:80]} is not supported by this server" + (
+        _need(v is None or v in _ONLY[api][k], f"{k}={json.dumps(v)[:80]} is not supported by this server" + (
             f" (only {' or '.join(json.dumps(x) for x in _ONLY[api][k])})" if _ONLY[api][k] else ""))
     return [k for k in RUN_SAMPLING[api] if body.get(k) is not None]
 

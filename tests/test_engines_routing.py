@@ -155,3 +155,33 @@ def test_a_weight_update_fails_at_once_when_one_side_of_the_broadcast_dies():
         with pytest.raises(ConnectionError, match=who):
             asyncio.run(update(trainer_fails, engine_fails))
         assert time.perf_counter() - t0 < 1.0
+
+
+def test_the_version_is_asked_once_then_follows_weight_updates():
+    """A group's start version (for staleness and start_version_lag) costs no Ray call per
+    group: the engines are asked once, then the driver's own updates say it."""
+    class Engine:
+        def __init__(self):
+            self.asked = 0
+            self.get_version = FakeMethod(self._version)
+            self.update_weights = FakeMethod(self._update)
+
+        async def _version(self):
+            self.asked += 1
+            return 4                         # e.g. a resumed run's engines
+
+        async def _update(self, blob, version):
+            return {"seconds": 0.0, "missing": []}
+
+    class Trainer:
+        def weights_blob(self):
+            return b""
+
+    engine = Engine()
+    engines = Engines([engine])
+
+    async def go():
+        seen = [await engines.version() for _ in range(3)]
+        await engines.update_weights(Trainer(), 5)
+        return seen + [await engines.version()]
+    assert asyncio.run(go()) == [4, 4, 4, 5] and engine.asked == 1

@@ -325,7 +325,8 @@ def test_fields_are_honoured_or_refused_never_ignored(server, loop, tiny_tokeniz
         out = {}
         async with openai.AsyncOpenAI(base_url=s.base_url, api_key="k", max_retries=0) as client:
             chat = client.chat.completions
-            for name, extra in (("unknown", {"extra_body": {"top_k": 5}}), ("required", {"tool_choice": "required"}),
+            for name, extra in (("unknown", {"extra_body": {"top_k": 5}}), ("null", {"extra_body": {"foo": None}}),
+                                ("required", {"tool_choice": "required"}),
                                 ("json", {"response_format": {"type": "json_object"}}),
                                 ("penalty", {"presence_penalty": 0.5})):
                 with pytest.raises(openai.BadRequestError) as e:
@@ -357,6 +358,7 @@ def test_fields_are_honoured_or_refused_never_ignored(server, loop, tiny_tokeniz
         return out, ok, plain, r, a
     out, ok, plain, r, a = loop.run_until_complete(go())
     assert "Unrecognized request argument supplied: top_k" in out["unknown"]
+    assert "Unrecognized request argument supplied: foo" in out["null"]   # unknown even when null
     assert "tool_choice" in out["required"] and "not supported" in out["required"]
     assert "response_format" in out["json"] and "presence_penalty" in out["penalty"]
     assert "Unrecognized request argument supplied: foo" in out["responses"] and "tool_choice" in out["responses required"]
