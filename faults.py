@@ -119,7 +119,8 @@ def tagged_pids(value: str, key: str = TAG) -> list[int]:
 
 
 def _still_running(known: dict[int, float] | None) -> list[int]:
-    """The pids of `known` ({pid: start time}) that still run as the same, live process."""
+    """The pids of `known` ({pid: start time}) that still run as the same, live process; their
+    children join `known` (started since the last snapshot, they are the run's too)."""
     import psutil
     alive = []
     for pid, created in list((known or {}).items()):
@@ -127,7 +128,6 @@ def _still_running(known: dict[int, float] | None) -> list[int]:
             p = psutil.Process(pid)
             if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
                 alive.append(pid)
-                # Children started since the last snapshot (an agent's own helper process): ours too.
                 known.update({c.pid: c.create_time() for c in p.children(recursive=True)})
         except psutil.Error:
             pass

@@ -170,7 +170,7 @@ class Generator:
         Requests with the same prompt and sampling (a group's first turn) become one vLLM
         request for n samples: one prefill and one request's overhead instead of n. Each
         sample keeps its own tokens and logprobs (and token versions). Not with a seed or images,
-        nor with partial rollout (bench/async_overlap.py's long workload measured it slower there)."""
+        nor with partial rollout (one A/B run of bench/async_overlap.py's long workload was slower)."""
         same: dict[tuple, tuple] = {}
         for rid, prompt, sampling, images in requests:
             key = ((rid,) if images or self.partial_rollout or "seed" in sampling

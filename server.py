@@ -232,10 +232,13 @@ _ONLY = {"openai": {"tool_choice": ("auto",), "parallel_tool_calls": (True,), "r
                        "max_tool_calls": (), "image": (), "access_programs": ()}}
 
 
+_ACCEPTED = {api: {*_READ[api].split(), *_INERT[api].split(), *RUN_SAMPLING[api]} for api in _READ}
+
+
 def check_fields(api: str, body: dict) -> list[str]:
     """Refuse (BadRequest) what `api` cannot honour; the run-sampling fields the body sets."""
     for k, v in body.items():
-        if k in _READ[api].split() or k in _INERT[api].split() or k in RUN_SAMPLING[api]:
+        if k in _ACCEPTED[api]:
             continue
         if k not in _ONLY[api]:
             raise BadRequest(f"{k}: Extra inputs are not permitted" if api in ("anthropic", "count_tokens")

@@ -339,3 +339,28 @@ def test_signals_and_kill_leave_nothing_behind_and_resume_continues(tiny_model, 
     steps = [m["step"] for m in metric_lines(out)]
     assert steps == list(range(1, len(steps) + 1)) and steps[-1] > resumed_at
     assert not list((out / "checkpoints").glob("*.tmp")) and loop.complete_checkpoints(out)
+
+
+def test_reap_takes_the_children_a_known_process_started_after_the_snapshot():
+    """Ray's agents drop the run's tag from their environment, so the reaper knows them from a
+    once-a-second snapshot of the driver's descendants; a child one of them starts after the
+    last snapshot is the run's too, and must not outlive the reap."""
+    import psutil
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
+                               "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+                               "print(c.pid, flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    known = {parent.pid: psutil.Process(parent.pid).create_time()}   # the snapshot: the parent only
+    try:
+        faults.reap("no-such-run", exclude=set(), grace_s=0.5, limit_s=5.0, known=known)
+        parent.wait(5)
+        deadline = time.monotonic() + 5
+        while psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the child outlived the reap"
+            time.sleep(0.1)
+    finally:
+        for pid in (parent.pid, child):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
