@@ -174,7 +174,8 @@ class RunGuard:
     def __exit__(self, *exc):
         reap(self.run_id, exclude={os.getpid()})
         if self.reaper is not None:
-            self.reaper.stdin.close()  # the reaper's signal that the driver is done
+            self.reaper.stdin.write(b"x")  # a clean end; a killed driver's pipe just closes
+            self.reaper.stdin.close()
             try:
                 self.reaper.wait(timeout=30)
             except subprocess.TimeoutExpired:
@@ -216,7 +217,8 @@ def guarded(out: Path, run: Callable[[], Any]) -> Any:
 
 
 def reaper_main(run_id: str, driver: int):
-    """The reaper process: wait until the driver closes our stdin or dies, then reap."""
+    """The reaper process: wait until the driver says it is done (one byte on our stdin) or
+    dies (the pipe closes without it, or we are re-parented), then reap."""
     import psutil
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Ray's DashboardAgent and RuntimeEnvAgent rewrite their environment (no tag in
@@ -229,8 +231,9 @@ def reaper_main(run_id: str, driver: int):
         except psutil.Error:
             pass
         ready, _, _ = select.select([sys.stdin], [], [], 1.0)
-        if ready and not os.read(sys.stdin.fileno(), 1):
-            died = False  # a clean end: the driver reaped its own run (its other children are not ours)
+        if ready:
+            # a clean end: the driver reaped its own run (its other children are not ours)
+            died = not os.read(sys.stdin.fileno(), 1)
             break
     reap(run_id, exclude={os.getpid()}, known=known if died else None)
 

@@ -250,14 +250,19 @@ def test_reaper_cleans_up_after_a_killed_driver(tmp_path):
     """Unit: a driver holding a RunGuard is SIGKILLed; the reaper ends the processes it started."""
     tag = uuid.uuid4().hex
     driver = tmp_path / "driver.py"
-    driver.write_text(f"import subprocess, sys, time\nsys.path.insert(0, {str(ROOT)!r})\nimport faults\n"
+    # The second child lost the run's tag, as Ray's agents do (setproctitle zeroes the start of
+    # their environment): the reaper knows it as the driver's descendant.
+    driver.write_text(f"import os, subprocess, sys, time\nsys.path.insert(0, {str(ROOT)!r})\nimport faults\n"
                       "with faults.RunGuard():\n"
-                      "    subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+                      "    sleep = [sys.executable, '-c', 'import time; time.sleep(600)']\n"
+                      "    subprocess.Popen(sleep)\n"
+                      "    subprocess.Popen(sleep, env={k: v for k, v in os.environ.items() if k != faults.TAG})\n"
+                      "    time.sleep(2.5)  # the reaper snapshots the driver's descendants every second\n"
                       "    print('ready', flush=True)\n    time.sleep(600)\n")
     proc = subprocess.Popen([sys.executable, str(driver)], env={**os.environ, "MOLT_TEST_TAG": tag},
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline() == "ready\n"
-    assert len(tagged(tag)) == 3          # driver, its child, the reaper
+    assert len(tagged(tag)) == 4          # driver, its two children, the reaper
     proc.kill()
     proc.wait()
     assert not nothing_left(tag)

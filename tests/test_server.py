@@ -560,18 +560,25 @@ def test_fuzzed_requests_never_get_a_5xx_and_the_server_answers_after(server, lo
 # ----------------------------------------------------------- agent frameworks from PyPI, unchanged
 
 
-@pytest.mark.parametrize("file", ["openai_agents_sdk.py", "langchain_tools.py"])
-def test_framework_agents_call_tools_in_one_trace(server, loop, file):
-    """The OpenAI Agents SDK (Responses API, a streamed run, history re-sent by the SDK) and
+@pytest.mark.parametrize("file", ["openai_agents_sdk.py", "openai_agents_sdk.py chat", "langchain_tools.py"])
+def test_framework_agents_call_tools_in_one_trace(server, loop, file, monkeypatch):
+    """The OpenAI Agents SDK (Responses API, and its chat-completions model, whose re-sent
+    history once split rollouts in two; a streamed run, history re-sent by the SDK) and
     LangChain (streamed chat completions): a tool call, its result, an answer, a follow-up."""
     tok = smol_tokenizer()
     rec = fake(tok, ["Let me see. " + CALL.replace("add", "larger").replace('"a": 2, "b": 3', '"a": 3, "b": 7'),
                      "7", "9"])
-    cls = agents.load_agent(str(EXAMPLES / file))
+    cls = agents.load_agent(str(EXAMPLES / file.split()[0]))
+    if file.endswith(" chat"):
+        from agents import OpenAIChatCompletionsModel
+        monkeypatch.setitem(cls.run.__globals__, "OpenAIResponsesModel", OpenAIChatCompletionsModel)
+    apis, reply = [], server._reply
+    monkeypatch.setattr(server, "_reply", lambda session, api, body: apis.append(api) or reply(session, api, body))
     row = {"prompt": "3?7=", "label": {"follow_up": "?9=", "answer": "9"}}
     segs = loop.run_until_complete(agents.run_chat_agent(cls(), row, rec, tok, server, max_len=4096,
                                                          sampling={"temperature": 1.0, "max_tokens": 64}))
     assert len(segs) == 1 and segs[0].reward == 1.0 and segs[0].info["requests"] == 3
+    assert apis == 3 * ["responses" if file == "openai_agents_sdk.py" else "openai"]
     check_token_exact(segs, rec.calls)
     text = tok.decode(segs[0].tokens)
     assert text.endswith("</tool_call><|im_end|>\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n7<|im_end|>"
