@@ -115,7 +115,10 @@ class Generator:
                  prefix_caching: bool = True, enforce_eager: bool = True,
                  partial_rollout: bool = False, tp_size: int = 1, dp_size: int = 1,
                  expert_parallel: bool = False, spec_decode: str | None = None, spec_tokens: int = 3,
-                 max_images: int = 8, trust_remote_code: bool = False, max_seqs: int = 1024):
+                 max_images: int = 8, trust_remote_code: bool = False, max_seqs: int = 1024,
+                 cpu_slot: tuple[list[str], int] | None = None):
+        if cpu_slot is not None:  # (every engine's node, our index): our cores, before vLLM starts
+            os.environ.update(cpu_engine_env(*cpu_slot, os.cpu_count() or 1, tp_size))
         from transformers import AutoConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -230,8 +233,11 @@ class Generator:
         sampling = dict(sampling)
         k = sampling.pop("top_logprobs", 0) or 0
         # Stop strings need vLLM's detokenizer (text is decoded for matching only; ids stay as sampled).
+        # skip_clone: vLLM deep-copies every request's params (8% of the engine actor's CPU in a
+        # 512-rollout step); these are built for this one request and never shared.
         params = SamplingParams(**sampling, n=n, logprobs=k, detokenize=bool(sampling.get("stop")),
-                                skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY)
+                                skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY,
+                                skip_clone=True)
         prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
         if images:
             import vision
@@ -370,17 +376,35 @@ def bucket_plan(weights: dict[str, torch.Tensor], bucket_bytes: int) -> list[lis
     return plan if plan[0] else []
 
 
+# On CPU every fresh bucket buffer is paid in page faults at each update (SmolLM2, 2 cores: a
+# 509 MiB bucket took 0.3-2.1 s to receive into fresh memory, 0.14-0.17 s into reused memory). So
+# on CPU the sender reuses one buffer for all its buckets, and a receiver reuses its first
+# bucket's buffer of the previous update (that update's reload has finished by then). On GPU
+# torch's caching allocator already reuses memory.
+_kept: dict[str, torch.Tensor] = {}
+
+
+def _kept_buffer(role: str, size: int) -> torch.Tensor:
+    if role not in _kept or _kept[role].numel() < size:
+        _kept[role] = torch.empty(size, dtype=torch.uint8)
+    return _kept[role][:size]
+
+
 def send_weights(group, weights: dict[str, torch.Tensor], bucket_bytes: int, device: torch.device) -> int:
     """Rank 0's side of a weight broadcast: the plan (as JSON bytes), then one flat byte
     buffer per bucket. Tensors travel in their own dtype, bit for bit. Returns bytes sent."""
+    device = torch.device(device)   # the trainer's is a string
     plan = bucket_plan(weights, bucket_bytes)
     header = torch.tensor(list(json.dumps(plan).encode()), dtype=torch.uint8, device=device)
     _broadcast(group, torch.tensor([header.numel()], dtype=torch.int64, device=device))
     _broadcast(group, header)
     sent = 0
     for bucket in plan:
-        flat = torch.cat([weights[name].detach().reshape(-1).view(torch.uint8) for name, _, _ in bucket])
-        flat = flat.to(device)
+        parts = [weights[name].detach().reshape(-1).view(torch.uint8) for name, _, _ in bucket]
+        if device.type == "cpu":  # the broadcast has completed before the next bucket overwrites it
+            flat = torch.cat(parts, out=_kept_buffer("send", sum(p.numel() for p in parts)))
+        else:
+            flat = torch.cat(parts).to(device)
         _broadcast(group, flat)
         sent += flat.numel()
     return sent
@@ -388,17 +412,20 @@ def send_weights(group, weights: dict[str, torch.Tensor], bucket_bytes: int, dev
 
 def receive_weights(group, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     """An engine worker's side of `send_weights`: yields (name, tensor), receiving each
-    bucket when the previous one has been consumed. Buffers are never reused, so a loader
-    may keep the tensors it was given."""
+    bucket when the previous one has been consumed. No buffer is reused within an update, so
+    a loader may keep the tensors it was given until the update ends (vLLM's layerwise reload
+    holds a layer's tensors until its last one arrives, maybe from a later bucket)."""
+    device = torch.device(device)
     size = torch.zeros(1, dtype=torch.int64, device=device)
     _broadcast(group, size)
     header = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     _broadcast(group, header)
-    for bucket in json.loads(bytes(header.cpu().tolist()).decode()):
+    for i, bucket in enumerate(json.loads(bytes(header.cpu().tolist()).decode())):
         dtypes = [getattr(torch, dtype) for _, dtype, _ in bucket]
         counts = [torch.Size(shape).numel() * torch.empty(0, dtype=d).element_size()
                   for (_, _, shape), d in zip(bucket, dtypes)]
-        flat = torch.empty(sum(counts), dtype=torch.uint8, device=device)
+        flat = (_kept_buffer("receive", sum(counts)) if i == 0 and device.type == "cpu"
+                else torch.empty(sum(counts), dtype=torch.uint8, device=device))
         _broadcast(group, flat)
         for (name, _, shape), dtype, part in zip(bucket, dtypes, flat.split(counts)):
             yield name, part.view(dtype).view(shape)
@@ -556,52 +583,46 @@ def start_engines(cfg: dict) -> Engines:
     per_engine = cfg["engine_tp_size"] * cfg["engine_dp_size"]
     bundle = {"CPU": 1, **({"GPU": gpus} if gpus else {}), **(cfg.get("engine_resources") or {})}
     pg = parallel.reserve([bundle] * n, "PACK", f"{n} engine(s)")
-    facts = ray.get([parallel.node_facts(pg, i) for i in range(n)])
-    envs = cpu_engine_env([f["node"] for f in facts], {f["node"]: f["cpus"] for f in facts}, cfg["engine_tp_size"])
+    # Which node holds each engine, from the placement itself: a task asking each node (a worker
+    # to start and torch to import, ~4 s before the first engine could start) is not needed.
+    nodes = [ray.util.placement_group_table(pg)["bundles_to_node_id"][i] for i in range(n)]
     eager = cfg.get("enforce_eager")
     eager = not gpus if eager is None else eager  # CUDA graphs on GPU; on CPU compiling only slows start-up
     actors = []
     for i in range(n):
-        env = {} if gpus else envs[i]
         actors.append(ray.remote(Generator).options(
-            num_cpus=1, num_gpus=gpus, max_concurrency=10_000,
-            runtime_env={"env_vars": env}, **parallel.in_bundle(pg, i)).remote(
+            num_cpus=1, num_gpus=gpus, max_concurrency=10_000, **parallel.in_bundle(pg, i)).remote(
             cfg["model"], dtype=cfg["engine_dtype"] or cfg["param_dtype"], max_len=cfg["max_len"],
             seed=cfg["seed"] + i, gpu_memory_utilization=cfg["gpu_memory_utilization"],
             partial_rollout=cfg["partial_rollout"], prefix_caching=cfg["prefix_caching"], enforce_eager=eager,
             tp_size=cfg["engine_tp_size"], dp_size=cfg["engine_dp_size"], expert_parallel=cfg["engine_ep"],
             spec_decode=cfg["spec_decode"], spec_tokens=cfg["spec_tokens"],
             max_images=cfg["max_images_per_prompt"], trust_remote_code=cfg["trust_remote_code"],
-            max_seqs=cfg["engine_max_seqs"]))
+            max_seqs=cfg["engine_max_seqs"], cpu_slot=None if gpus else (nodes, i)))
     return Engines(actors, cfg["check_weight_sync"], broadcast=cfg["weight_sync"] == "broadcast",
                    workers_per_engine=per_engine)
 
 
-def cpu_engine_env(nodes: list[str], cpus: dict[str, int], tp_size: int = 1) -> list[dict]:
-    """The environment of each CPU engine, from the node each one runs on and that node's CPU
-    count: engines on one node split its cores ("lo-hi"; more engines than cores share them
-    round-robin); an engine alone on its node takes all but one core (the driver, the engine's
-    Ray actor and the trainer share that one).
+def cpu_engine_env(nodes: list[str], i: int, cpus: int, tp_size: int = 1) -> dict:
+    """The environment of CPU engine `i`, from the node each engine runs on (`nodes`) and the CPU
+    count of engine i's node (counted there, by the engine): engines on one node split its cores
+    ("lo-hi"; more engines than cores share them round-robin); an engine alone on its node takes
+    all but one core (the driver, the engine's Ray actor and the trainer share that one).
 
     With one rank the worker runs inside vLLM's engine-core process (its uni executor) with
     OpenMP threads we bind: vLLM's multiprocess executor makes the worker and the scheduler
     busy-wait on each other (sched_yield for 1 s after every message), which on a small
     machine takes cores from everything else (0.9 -> 0.65 s per default step on 2 cores).
     With tensor parallelism vLLM's own executor binds each rank."""
-    out = []
-    for i, node in enumerate(nodes):
-        peers = [j for j, m in enumerate(nodes) if m == node]
-        share = max(1, cpus[node] // len(peers)) if len(peers) > 1 else max(1, cpus[node] - 1)
-        lo = peers.index(i) * share % cpus[node] if len(peers) > 1 else 0
-        cores = f"{lo}-{lo + share - 1}"
-        if tp_size > 1:
-            out.append({} if len(peers) == 1 else {"VLLM_CPU_OMP_THREADS_BIND": cores})
-            continue
-        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(share)}
-        if len(peers) > 1:
-            env.update(OMP_PLACES="{" + ",".join(map(str, range(lo, lo + share))) + "}", OMP_PROC_BIND="true")
-        out.append(env)
-    return out
+    peers = [j for j, m in enumerate(nodes) if m == nodes[i]]
+    share = max(1, cpus // len(peers)) if len(peers) > 1 else max(1, cpus - 1)
+    lo = peers.index(i) * share % cpus if len(peers) > 1 else 0
+    if tp_size > 1:
+        return {} if len(peers) == 1 else {"VLLM_CPU_OMP_THREADS_BIND": f"{lo}-{lo + share - 1}"}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(share)}
+    if len(peers) > 1:
+        env.update(OMP_PLACES="{" + ",".join(map(str, range(lo, lo + share))) + "}", OMP_PROC_BIND="true")
+    return env
 
 
 def speculative_config(method: str | None, tokens: int) -> dict | None:

@@ -9,7 +9,8 @@ process group is gloo, on GPU nccl; the code path is the same.
 
 Placement on a Ray cluster (`reserve`, `in_bundle`, `node_facts`, `gpu_shares`): the
 trainer ranks and the engines live in placement groups of their own; `node_facts` asks a
-bundle's node for its IP, a free port and its CPU count (trainer.TrainerGroup, generator.start_engines).
+trainer bundle's node for its IP, a free port and what it sees of --output_dir (trainer.TrainerGroup);
+an engine counts its node's cores itself (generator.cpu_engine_env).
 
 Under TP the LM head is vocab-parallel: `vocab_parallel_logprobs` scores each rank's slice of
 the vocabulary, so the full [B, T, V] logits never exist on one rank.
@@ -174,13 +175,12 @@ def in_bundle(pg, index: int) -> dict:
 
 def _node_facts(paths: list[str]) -> dict:
     import ray
-    return {"ip": ray.util.get_node_ip_address(), "port": free_port(), "cpus": os.cpu_count() or 1,
-            "node": ray.get_runtime_context().get_node_id(), "sees": [os.path.exists(p) for p in paths]}
+    return {"ip": ray.util.get_node_ip_address(), "port": free_port(), "sees": [os.path.exists(p) for p in paths]}
 
 
 def node_facts(pg, index: int, paths: tuple[str, ...] = ()):
     """A Ray ref to facts about the node that holds bundle `index`, from a task run there: its IP,
-    a port free there, its CPU count, its node id, and whether each of `paths` exists there."""
+    a port free there, and whether each of `paths` exists there."""
     import ray
     return ray.remote(_node_facts).options(num_cpus=0, **in_bundle(pg, index)).remote(list(paths))
 

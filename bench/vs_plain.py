@@ -10,12 +10,14 @@ the ratios mean anything across machines.
 
     python bench/vs_plain.py                       # default task, tiny model, 32 x 16
     python bench/vs_plain.py --workload smollm2    # SmolLM2-135M fp32, chain_sum, 8 x 4
-    python bench/vs_plain.py --steps 8 --warmup 2 --ours sync
+    python bench/vs_plain.py --steps 8 --warmup 2 --ours sync --plain_once
 
 Ours runs twice: on-policy (main.py's default, generation then training, like the plain
 loop) and async (`--async_depth 1 --partial_rollout`: the next step's rollouts generate
 while this one trains). Prints s/step (median after warm-up) with its phases, set-up time
-before step 1 and the peak memory (RSS summed over the run's processes, sampled every 0.2 s).
+before step 1, the peak memory (RSS summed over the run's processes) and the CPU seconds each
+kind of process spends per step after warm-up: their sum over the machine's cores is a floor
+under the step time that no overlap can go below.
 """
 
 from __future__ import annotations
@@ -51,35 +53,51 @@ KINDS = (("engine core", "VLLM::EngineCore"), ("engine actor", "ray::Generator")
          ("ray", "ray"))  # by command line; everything else is "driver"
 
 
-class PeakMemory:
-    """Peak of the summed RSS of this process and all its descendants (Ray, engines, ranks),
-    and what each kind of process held at that peak."""
+class Processes:
+    """Watches this process and all its descendants (Ray, engines, ranks) every 0.1 s: the peak
+    of their summed RSS and what each kind held at that peak, and the CPU time each kind used
+    (`cpu()`: seconds so far, by kind; a process that ended keeps what it used)."""
 
     def __init__(self):
         import psutil
         self.me, self.peak, self.parts, self.stop = psutil.Process(), 0, {}, threading.Event()
+        self.used: dict[int, tuple[str, float]] = {}   # pid -> (kind, CPU seconds at the last look)
+        self.on_tick = lambda: None
         threading.Thread(target=self._watch, daemon=True).start()
 
     def _watch(self):
         import psutil
-        while not self.stop.wait(0.2):
+        while not self.stop.wait(0.1):
             parts: dict[str, int] = {}
             for p in [self.me, *self.me.children(recursive=True)]:
                 try:
-                    cmd, rss = " ".join(p.cmdline()), p.memory_info().rss
+                    cmd, rss, t = " ".join(p.cmdline()), p.memory_info().rss, p.cpu_times()
                 except psutil.Error:
                     continue
                 kind = next((k for k, mark in KINDS if mark in cmd), "driver") if p != self.me else "driver"
                 parts[kind] = parts.get(kind, 0) + rss
+                self.used[p.pid] = (kind, t.user + t.system)
             if sum(parts.values()) > self.peak:
                 self.peak, self.parts = sum(parts.values()), parts
+            self.on_tick()
+
+    def cpu(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for kind, seconds in list(self.used.values()):
+            out[kind] = out.get(kind, 0.0) + seconds
+        return out
 
     def done(self) -> tuple[float, dict]:
         self.stop.set()
         return self.peak / 2**30, {k: round(v / 2**30, 2) for k, v in sorted(self.parts.items())}
 
 
-def plain(argv: list[str], steps: int) -> dict:
+def cpu_per_step(first: dict, last: dict, steps: int) -> dict[str, float]:
+    """CPU seconds per step by kind of process between two `Processes.cpu()` looks."""
+    return {k: round((last.get(k, 0.0) - first.get(k, 0.0)) / max(steps, 1), 3) for k in sorted(last)}
+
+
+def plain(argv: list[str], steps: int, warmup: int) -> dict:
     """The plain loop: HF generate -> reward -> Trainer.train_step, all in this process."""
     import torch
     import agent as agents
@@ -87,7 +105,7 @@ def plain(argv: list[str], steps: int) -> dict:
     import main
     from trainer import Trainer
 
-    mem = PeakMemory()
+    mem = Processes()
     t0 = time.perf_counter()
     cfg = main.validate(vars(main.build_parser().parse_args(argv)))
     torch.set_num_threads(1)
@@ -97,8 +115,10 @@ def plain(argv: list[str], steps: int) -> dict:
     rows = data.prompt_source(cfg, env_cls)
     P, S, T = cfg["prompts_per_step"], cfg["samples_per_prompt"], cfg["temperature"]
     setup = time.perf_counter() - t0
-    times = []
+    times, cpu = [], {}
     for step in range(steps):
+        if step == warmup:
+            cpu["first"] = mem.cpu()
         t_gen = time.perf_counter()
         batch = [next(rows) for _ in range(P)]
         prompts = [tok.apply_chat_template(agents._messages(r["prompt"]), add_generation_prompt=True,
@@ -134,17 +154,29 @@ def plain(argv: list[str], steps: int) -> dict:
         m = trainer.train_step(trajs)
         times.append({"step_s": time.perf_counter() - t_gen, "gen_s": gen_s, "train_s": m["train_s"],
                       "reward": m.get("reward_mean", sum(t["reward"] for t in trajs) / len(trajs))})
+    last = mem.cpu()
     peak, parts = mem.done()
-    return {"setup_s": setup, "steps": times, "peak_gib": peak, "memory": parts}
+    return {"setup_s": setup, "steps": times, "peak_gib": peak, "memory": parts,
+            "cpu_per_step": cpu_per_step(cpu.get("first", {}), last, steps - warmup)}
 
 
-def ours(argv: list[str], steps: int, out: Path) -> dict:
+def ours(argv: list[str], steps: int, warmup: int, out: Path) -> dict:
     import main
-    mem = PeakMemory()
+    mem, cpu = Processes(), {}
+
+    def look():  # CPU so far when the warm-up's last step and the run's last step are logged
+        path = out / "metrics.jsonl"
+        done = path.read_text().count("\n") if path.is_file() else 0
+        if done >= warmup and "first" not in cpu:
+            cpu["first"] = mem.cpu()
+        if done >= steps and "last" not in cpu:
+            cpu["last"] = mem.cpu()
+    mem.on_tick = look
     summary = main.main([*argv, "--steps", str(steps), "--output_dir", str(out)])
     lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     peak, parts = mem.done()
     return {"setup_s": summary["setup_s"], "peak_gib": peak, "memory": parts,
+            "cpu_per_step": cpu_per_step(cpu.get("first", {}), cpu.get("last", mem.cpu()), steps - warmup),
             "steps": [{"step_s": m["step_s"], "gen_s": m["wait_rollouts_s"], "train_s": m["train_s"],
                        "sync_s": m.get("weight_sync_s", 0.0), "reward": m["reward_mean"]} for m in lines]}
 
@@ -159,6 +191,7 @@ if __name__ == "__main__":
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3, help="first steps left out of the medians")
     ap.add_argument("--ours", choices=["sync", "async", "both"], default="both")
+    ap.add_argument("--plain_once", action="store_true", help="skip the second plain run (drift check)")
     ap.add_argument("--part", help=argparse.SUPPRESS)  # one run in a fresh process, its JSON to this file
     args = ap.parse_args()
     argv = [*WORKLOADS[args.workload], *COMMON]
@@ -166,16 +199,30 @@ if __name__ == "__main__":
     if args.part:
         name, file = args.part.split(":", 1)
         extra = ["--async_depth", "1", "--partial_rollout"] if name == "ours async" else []
-        r = plain(argv, args.steps) if name == "plain" else ours([*argv, *extra], args.steps, tmp / "run")
+        r = (plain(argv, args.steps, args.warmup) if name == "plain"
+             else ours([*argv, *extra], args.steps, args.warmup, tmp / "run"))
         Path(file).write_text(json.dumps(r))
         sys.exit(0)
-    names = ["plain"] + (["ours"] if args.ours != "async" else []) + (["ours async"] if args.ours != "sync" else [])
+    # plain runs first and again last: this machine's speed drifts (+-40% within a session), and
+    # the ratios take plain's mean of the two; a large gap between them is printed as a warning
+    names = (["plain"] + (["ours"] if args.ours != "async" else []) + (["ours async"] if args.ours != "sync" else [])
+             + ([] if args.plain_once else ["plain again"]))
     runs = {}
     for name in names:  # each in a process of its own: no memory or threads left over from the one before
         file = tmp / f"{name.replace(' ', '_')}.json"
         subprocess.run([sys.executable, __file__, "--workload", args.workload, "--steps", str(args.steps),
-                        "--part", f"{name}:{file}"], check=True)
+                        "--warmup", str(args.warmup), "--part", f"{name.removesuffix(' again')}:{file}"], check=True)
         runs[name] = json.loads(file.read_text())
+    if "plain again" in runs:
+        again = runs.pop("plain again")
+        first, second = (med(r["steps"][args.warmup:], "step_s") for r in (runs["plain"], again))
+        print(f"plain s/step before ours {first:.3f}, after {second:.3f}"
+              + (" (the machine's speed drifted: compare ratios with care)" if abs(first / second - 1) > 0.15 else ""))
+        runs["plain"] = {**runs["plain"], "steps": runs["plain"]["steps"][:args.warmup]
+                         + [{k: (a[k] + b[k]) / 2 for k in a} for a, b in zip(runs["plain"]["steps"][args.warmup:],
+                                                                              again["steps"][args.warmup:])],
+                         "cpu_per_step": {k: (v + again["cpu_per_step"].get(k, v)) / 2
+                                          for k, v in runs["plain"]["cpu_per_step"].items()}}
     print(f"workload {args.workload}: {' '.join(WORKLOADS[args.workload]) or 'main.py defaults'}")
     print(f"{'':10} {'s/step':>8} {'generate':>9} {'train':>7} {'sync':>6} {'setup s':>8} {'peak GiB':>9} {'reward':>7}")
     b = runs["plain"]
@@ -188,6 +235,11 @@ if __name__ == "__main__":
     print("(generate: ours = the trainer waiting for rollouts; reward: mean of the steps after warm-up)")
     for name, r in runs.items():
         print(f"{name} peak memory by process (GiB): {r['memory']}")
+    cores = len(os.sched_getaffinity(0))
+    for name, r in runs.items():   # the floor CPU time puts under a step, whatever the overlap
+        total = sum(r["cpu_per_step"].values())
+        print(f"{name} CPU s/step by process: {r['cpu_per_step']}, total {total:.3f}: on {cores} cores a step "
+              f"takes at least {total / cores:.3f} s = {total / cores / med(sb, 'step_s'):.2f} x plain's step")
     for name, a in runs.items():
         if name != "plain":
             sa = a["steps"][args.warmup:]

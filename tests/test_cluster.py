@@ -82,16 +82,16 @@ def test_rendezvous_is_on_rank_0s_node(cluster, tmp_path, monkeypatch):
 def test_cpu_engine_env_counts_each_nodes_cores():
     env = generator.cpu_engine_env
     uni = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # one rank: the worker in the engine-core process
-    assert env(["a"], {"a": 8}) == [{**uni, "OMP_NUM_THREADS": "7"}]      # alone: all cores but one
-    assert env(["a"], {"a": 1}) == [{**uni, "OMP_NUM_THREADS": "1"}]
-    a0, b, a1 = env(["a", "b", "a"], {"a": 8, "b": 2})
-    assert a0 == {**uni, "OMP_NUM_THREADS": "4", "OMP_PLACES": "{0,1,2,3}", "OMP_PROC_BIND": "true"}
-    assert a1["OMP_PLACES"] == "{4,5,6,7}" and b == {**uni, "OMP_NUM_THREADS": "1"}
-    assert [e["OMP_PLACES"] for e in env(["a"] * 3, {"a": 2})] == ["{0}", "{1}", "{0}"]  # more engines than cores
+    assert env(["a"], 0, 8) == {**uni, "OMP_NUM_THREADS": "7"}      # alone: all cores but one
+    assert env(["a"], 0, 1) == {**uni, "OMP_NUM_THREADS": "1"}
+    nodes = ["a", "b", "a"]   # engine 1 alone on node b (2 cores), engines 0 and 2 share a (8 cores)
+    assert env(nodes, 0, 8) == {**uni, "OMP_NUM_THREADS": "4", "OMP_PLACES": "{0,1,2,3}", "OMP_PROC_BIND": "true"}
+    assert env(nodes, 2, 8)["OMP_PLACES"] == "{4,5,6,7}" and env(nodes, 1, 2) == {**uni, "OMP_NUM_THREADS": "1"}
+    assert [env(["a"] * 3, i, 2)["OMP_PLACES"] for i in range(3)] == ["{0}", "{1}", "{0}"]  # more engines than cores
     # tensor parallel: vLLM's multiprocess executor binds its ranks within the engine's cores
-    assert env(["a", "a"], {"a": 8}, tp_size=2) == [{"VLLM_CPU_OMP_THREADS_BIND": "0-3"},
-                                                   {"VLLM_CPU_OMP_THREADS_BIND": "4-7"}]
-    assert env(["a"], {"a": 8}, tp_size=2) == [{}]
+    assert [env(["a", "a"], i, 8, tp_size=2) for i in range(2)] == [{"VLLM_CPU_OMP_THREADS_BIND": "0-3"},
+                                                                  {"VLLM_CPU_OMP_THREADS_BIND": "4-7"}]
+    assert env(["a"], 0, 8, tp_size=2) == {}
 
 
 def test_output_dir_on_one_node_only_is_refused():
