@@ -174,10 +174,10 @@ class Generator:
         request for n samples: one prefill and one request's overhead instead of n. Each
         sample keeps its own tokens and logprobs (and token versions, with partial rollout too:
         async on the default task, 0.27-0.37 s/step against 0.42-0.45 unmerged, the engine actor's
-        CPU halved; no slower with 48 new tokens). Not with a seed or images."""
+        CPU halved; no slower with 48 new tokens). Not with a seed, images or greedy sampling."""
         same: dict[tuple, tuple] = {}
         for rid, prompt, sampling, images in requests:
-            key = ((rid,) if images or "seed" in sampling
+            key = ((rid,) if images or "seed" in sampling or sampling.get("temperature", 1.0) < 1e-5  # vLLM: greedy is n=1
                    else (tuple(prompt), repr(sorted(sampling.items()))))
             same.setdefault(key, (prompt, sampling, images, []))[3].append(rid)
         tasks = {asyncio.ensure_future(self._generate(p, s, im, len(rids))): rids for p, s, im, rids in same.values()}

@@ -46,10 +46,14 @@ def _sample(engine, loop, tokenizer, n=8):
                                            add_generation_prompt=True, tokenize=True)["input_ids"]
 
     async def many():  # the loop's path: one batch, the n identical requests one vLLM request with n samples
-        out = {}
+        out, errors = {}, []
+        greedy = [(f"g{i}", prompt, {"temperature": 0.0, "max_tokens": 4}, None) for i in range(2)]  # (vLLM: n=1 only)
         async for part in engine.generate_batch([(f"s{i}", prompt, {"temperature": TEMPERATURE, "max_tokens": 12},
-                                                  None) for i in range(n)]):
+                                                  None) for i in range(n)] + greedy):
             out.update({rid: result for rid, result, error in part if error is None})
+            errors += [error for _, _, error in part if error is not None]
+        assert not errors, errors[0]
+        assert out["g0"]["token_ids"] == out["g1"]["token_ids"]
         return [out[f"s{i}"] for i in range(n)]
     outs = loop.run_until_complete(many())
     assert len({tuple(o["token_ids"]) for o in outs}) > 1  # n samples, not one copied n times
