@@ -29,6 +29,23 @@ except ImportError:
     pass
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _default_output_dir_elsewhere(tmp_path_factory):
+    """Tests that leave --output_dir at its default use a folder of their own: `python main.py`
+    (the README's first command) leaves its records in runs/latest, which a new run refuses."""
+    import main
+    build = main.build_parser
+    out = str(tmp_path_factory.mktemp("runs") / "latest")
+
+    def parser():
+        p = build()
+        p.set_defaults(output_dir=out)
+        return p
+    main.build_parser = parser
+    yield
+    main.build_parser = build
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     import trainer
