@@ -41,6 +41,7 @@ def _default_output_dir_elsewhere(tmp_path_factory):
         p = build()
         p.set_defaults(output_dir=out)
         return p
+    parser.unpatched = build   # for the README flag reference, which prints the real defaults
     main.build_parser = parser
     yield
     main.build_parser = build

@@ -109,7 +109,8 @@ def test_smollm2_recipe_agent_grades_with_reasoning_gym():
     assert reward("no idea") == 0.0
 
 
-def test_readme_flag_reference_is_generated():
+def test_readme_flag_reference_is_generated(monkeypatch):
+    monkeypatch.setattr(main, "build_parser", getattr(main.build_parser, "unpatched", main.build_parser))
     spec = importlib.util.spec_from_file_location("docs_flags", ROOT / "docs" / "flags.py")
     flags = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(flags)
