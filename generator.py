@@ -234,8 +234,8 @@ class Generator:
         sampling = dict(sampling)
         k = sampling.pop("top_logprobs", 0) or 0
         # Stop strings need vLLM's detokenizer (text is decoded for matching only; ids stay as sampled).
-        # skip_clone: vLLM deep-copies every request's params (8% of the engine actor's CPU in a
-        # 512-rollout step); these are built for this one request and never shared.
+        # skip_clone: these params are built for this one request and never shared, so vLLM's
+        # per-request deep copy is not needed (it showed in a profile; no step-time change measured).
         params = SamplingParams(**sampling, n=n, logprobs=k, detokenize=bool(sampling.get("stop")),
                                 skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY,
                                 skip_clone=True)
