@@ -11,7 +11,10 @@
 Agents run here, in the driver, as asyncio tasks; each rollout calls the
 generator actors for every turn (one sticky engine per rollout). With --async_depth 0 the loop is strictly
 on-policy: no group for step s+1 starts before the weights of step s are in
-the engine. With depth K, groups may start up to K policy versions early.
+the engine. With depth K, groups may start up to K policy versions early, and
+staleness is bounded where it matters, at consumption: a group whose oldest
+sampled token is more than K versions older than the policy it would train (a
+slow group, or a partial rollout's first tokens) is dropped (`dropped/stale`).
 
     python main.py --steps 20          # see main.py for every flag
 """
@@ -151,10 +154,18 @@ async def run_agent(cfg: dict, agent_cls: type, row: dict, generate, tokenizer, 
     return result if isinstance(result, list) else [result]
 
 
-async def collect(pool: RolloutPool, cfg: dict, version: int, first_step: bool) -> list[dict]:
-    """Wait for --prompts_per_step usable groups; empty (all rollouts dropped) and, with
-    --filter_groups, all-equal-reward groups are replaced by new ones from the pool. Stops the
-    run when the first step's first groups all fail, or --max_failed_groups fail in a row."""
+def oldest_token(trajectories: list) -> int | None:
+    """The policy version of the oldest sampled token of these trajectories (None: none)."""
+    firsts = [min(itertools.compress(t.versions, t.mask), default=None) for t in trajectories]
+    return min((v for v in firsts if v is not None), default=None)
+
+
+async def collect(pool: RolloutPool, cfg: dict, version: int, first_step: bool, policy: int) -> list[dict]:
+    """Wait for --prompts_per_step usable groups to train policy version `policy`; empty (all
+    rollouts dropped), stale (a token more than --async_depth versions older than `policy`)
+    and, with --filter_groups, all-equal-reward groups are replaced by new ones from the pool.
+    Stops the run when the first step's first groups all fail, or --max_failed_groups fail in
+    a row. `version`: policy versions trained since this run (or resume) started."""
     P, K = cfg["prompts_per_step"], cfg["async_depth"]
     groups, empty = [], 0
     pool.fill((version + K + 1) * P)
@@ -163,7 +174,17 @@ async def collect(pool: RolloutPool, cfg: dict, version: int, first_step: bool) 
         if isinstance(group, BaseException):
             raise group  # an engine failure: stop with its error
         rewards = [t.reward for t in group["trajectories"]]
-        if not rewards:
+        oldest = oldest_token(group["trajectories"])
+        if rewards and oldest is not None and policy - oldest > K:
+            # Groups are taken in finish order, so a slow one can arrive any number of versions
+            # late: the bound on staleness is enforced here, on the tokens it would train.
+            pool.drops["stale"] += len({t.rollout_id for t in group["trajectories"]})  # per rollout
+            pool.refill += 1
+            if "stale" not in pool.logged:  # not a failure: said once, then counted
+                pool.logged.add("stale")
+                log.warning("dropped a group that finished with tokens more than --async_depth %d policy versions "
+                            "older than the policy it would train (counted in dropped/stale)", K)
+        elif not rewards:
             empty += 1
             pool.refill += 1
             pool.failed_in_a_row += 1
@@ -253,7 +274,7 @@ async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, to
                 trajs = [json.loads(line) for line in replay[step].read_text().splitlines()]
                 groups = None
             else:
-                groups = await collect(pool, cfg, version - start["version"], first_step=not history)
+                groups = await collect(pool, cfg, version - start["version"], first_step=not history, policy=version)
                 # Shallow: Ray copies them anyway, and asdict's deep copy was 15% of the driver's time.
                 trajs = [dict(vars(t)) for g in groups for t in g["trajectories"]]
             t_gen = time.perf_counter() - t_step
