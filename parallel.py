@@ -186,20 +186,22 @@ def cpu_threads(cores: int, trainers: int, engines: int, overlap: bool,
     `cores` cores that holds `trainers` trainer ranks and `engines` engines.
 
     On-policy (`overlap` False) the phases take turns: the engines sleep while the trainer trains
-    and the trainer waits while they generate, so each kind gets every core of the node (shared
-    among its own kind). Async (`overlap`) both compute at once: the cores are split between the
-    kinds in proportion to their numbers, at least one each, so busy threads never outnumber the
-    cores (OpenMP threads spin at the end of each parallel region: two processes with two threads
-    each on two cores wait for each other's preempted threads). `--train_threads` and
-    `--engine_threads` override either number. Counts, never timings: the same on every machine
-    with these cores."""
+    and the trainer waits while they generate, so the ranks share every core of the node, and the
+    engines every core but one: the driver and the engines' Ray actors, which feed them requests,
+    are busy in that same phase (beside them a second OpenMP thread of the default task's engine
+    spins, 60% more engine CPU, and gains nothing). Async (`overlap`) both compute at once: the
+    cores are split between the kinds in proportion to their numbers, at least one each, the
+    engines' part again less one core, so busy threads never outnumber the cores (OpenMP threads
+    spin after each parallel region: two processes with two threads each on two cores wait for
+    each other's preempted threads). `--train_threads` and `--engine_threads` override either
+    number. Counts, never timings: the same on every machine with these cores."""
     def share(n: int, among: int) -> int:
         return max(1, n // max(among, 1))
-    train, engine = share(cores, trainers), share(cores, engines)
+    train_cores = cores
     if overlap and trainers and engines and cores > 1:
         train_cores = min(cores - 1, max(1, round(cores * trainers / (trainers + engines))))
-        train, engine = share(train_cores, trainers), share(cores - train_cores, engines)
-    return train_threads or train, engine_threads or engine
+    engine_cores = (cores - train_cores if train_cores < cores else cores) - 1   # one for the feeders
+    return train_threads or share(train_cores, trainers), engine_threads or share(engine_cores, engines)
 
 
 def in_bundle(pg, index: int) -> dict:

@@ -11,6 +11,7 @@ the ratios mean anything across machines.
 
     python bench/vs_plain.py                       # default task, tiny model, 32 x 16
     python bench/vs_plain.py --workload smollm2    # SmolLM2-135M fp32, chain_sum, 8 x 4
+    python bench/vs_plain.py --workload smollm2_auto   # the same at --param_dtype auto (bf16 here)
     python bench/vs_plain.py --steps 8 --warmup 2 --ours sync --plain_once
     python bench/vs_plain.py --ours async --extra=--train_threads=2   # another thread split
 
@@ -50,6 +51,7 @@ WORKLOADS = {
                 "--max_len", "256", "--temperature", "0.7", "--lr", "1e-5", "--mini_batches", "2",
                 "--param_dtype", "float32"],
 }
+WORKLOADS["smollm2_auto"] = [*WORKLOADS["smollm2"][:-1], "auto"]  # bf16 where the CPU has native bf16 (plain too)
 COMMON = ["--quiet", "--export_hf", "none", "--no_plot"]
 
 
