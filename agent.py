@@ -9,7 +9,8 @@ A user writes ordinary Python:
 `run_env` renders the first prompt with the model's chat template, tokenizes
 it once, asks the engine for a completion as token ids, calls `step`, appends
 the observation as non-trainable tokens rendered by the same template, and
-repeats until the episode ends. It returns a `Trajectory`: the token ids the
+repeats until the episode ends. It returns a `Trajectory` (trajectory.py, with the
+rendering and encoding both agent runners and the server share): the token ids the
 engine actually saw and sampled, a mask of the policy's own tokens, their
 sampling logprobs and policy versions, and the reward. The sampled text is
 decoded for the agent to read; it is never encoded again.
@@ -34,7 +35,6 @@ agent's `prompts(seed)` or from a `--dataset` file (data.py).
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import inspect
 import logging
@@ -42,6 +42,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator
+
+from trajectory import (Generate, Trajectory, decode_reply, encode, observation_ids, prompt_messages, render,
+                        sample, with_images)
 
 if TYPE_CHECKING:
     from server import ChatServer
@@ -94,166 +97,7 @@ class Env(_Agent):
         raise NotImplementedError
 
 
-@dataclass
-class Trajectory:
-    """One rollout (or one segment of it), token-exact. Lists have equal length."""
-    tokens: list[int]                # prompt + every turn, exactly as the engine saw them
-    mask: list[int]                  # 1 on tokens the policy sampled
-    logprobs: list[float]            # sampling logprob where mask is 1, else 0
-    versions: list[int]              # policy version that sampled it, -1 where mask is 0
-    reward: float
-    group: int = 0                   # rollouts of the same prompt share it
-    rollout_id: int = 0              # segments of one rollout share it
-    score: float = 0.0
-    info: dict = field(default_factory=dict)
-    images: list[str] = field(default_factory=list)  # PNG data URIs, in the order of their pads in tokens
-
-    def add(self, ids: list[int], sampled: bool, logprobs: list[float] | None = None,
-            version: int | list[int] = -1):
-        self.tokens += ids
-        self.mask += [int(sampled)] * len(ids)
-        self.logprobs += list(logprobs) if sampled else [0.0] * len(ids)
-        if isinstance(version, list):  # per token: a partial rollout can span weight updates
-            self.versions += version if sampled else [-1] * len(ids)
-        else:
-            self.versions += [version if sampled else -1] * len(ids)
-
-    @property
-    def num_sampled(self) -> int:
-        return sum(self.mask)
-
-
-Generate = Callable[..., Awaitable[dict]]   # (prompt_ids, sampling[, images]) -> dict (generator.py)
 Call = Callable[..., Awaitable[Any]]        # (fn, *args) -> what fn(*args) returns, run where agent code runs
-
-
-class DropRollout(Exception):
-    """This rollout cannot be trained on; the loop drops it and counts `dropped/<reason>`."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
-
-
-async def _sample(generate: Generate, tokens: list[int], images: list[str], sampling: dict,
-                  image_tokens) -> dict:
-    """One completion of `tokens`. With images the engine gets one pad per image and the
-    images (vision.py's convention) and must expand them into exactly `tokens`."""
-    if not images:
-        out = await generate(tokens, sampling)
-    else:
-        out = await generate(image_tokens.engine_ids(tokens), sampling, images)
-        if out["prompt_ids"] != tokens:
-            raise ValueError("the engine expanded the image tokens differently from the image processor "
-                             f"({len(out['prompt_ids'])} ids, expected {len(tokens)}): check the model's "
-                             "preprocessor_config.json")
-    if image_tokens is not None and image_tokens.vision_ids.intersection(out["token_ids"]):
-        raise DropRollout("vision_token", "the policy sampled an image/vision special token")
-    return out
-
-
-def _image_parts(content: Any) -> int:
-    return sum(1 for p in content if isinstance(p, dict) and p.get("type") in ("image", "image_url")) \
-        if isinstance(content, list) else 0
-
-
-def with_images(messages: list[dict], images: list) -> list[dict]:
-    """Messages whose image parts show `images`: a text `<image>` marks where one goes; with
-    no image part or marker at all, the images go first in the first user message."""
-    if not images:
-        if any(_image_parts(m["content"]) for m in messages):
-            raise ValueError("the prompt has image parts but the row has no images (--image_key)")
-        return messages
-    out = []
-    for m in messages:
-        if isinstance(m["content"], str) and "<image>" in m["content"]:
-            texts = m["content"].split("<image>")
-            parts = [{"type": "text", "text": texts[0]}] if texts[0] else []
-            for t in texts[1:]:
-                parts += [{"type": "image"}] + ([{"type": "text", "text": t}] if t else [])
-            m = {**m, "content": parts}
-        out.append(m)
-    if not any(_image_parts(m["content"]) for m in out):
-        i = next((i for i, m in enumerate(out) if m["role"] == "user"), None)
-        if i is None:
-            raise ValueError("a row with images needs a user message to show them in")
-        text = out[i]["content"]
-        text = [{"type": "text", "text": text}] if isinstance(text, str) else list(text)
-        out[i] = {**out[i], "content": [{"type": "image"}] * len(images) + text}
-    shown = sum(_image_parts(m["content"]) for m in out)
-    if shown != len(images):
-        raise ValueError(f"the prompt has {shown} image places (<image> or image parts) for {len(images)} images")
-    return out
-
-
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool,
-            tools: list[dict] | None = None) -> str:
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                         tokenize=False, tools=tools)
-
-
-def _encode(tokenizer, text: str) -> list[int]:
-    return list(_encode_text(tokenizer, text))
-
-
-@functools.lru_cache(maxsize=4096)  # a group's rollouts all start from the same prompt text
-def _encode_text(tokenizer, text: str) -> tuple[int, ...]:
-    # The template already wrote every special token; add none of our own.
-    return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _messages(prompt: Any) -> list[dict]:
-    if isinstance(prompt, str):
-        return [{"role": "user", "content": prompt}]
-    if isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt):
-        return [dict(m) for m in prompt]
-    raise ValueError(f"a prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
-
-
-def decode_reply(tokenizer, token_ids: list[int]) -> str:
-    """The reply as the model wrote it, special tokens included, less a final end-of-turn."""
-    if token_ids and token_ids[-1] == tokenizer.eos_token_id:
-        token_ids = token_ids[:-1]
-    return tokenizer.decode(token_ids, skip_special_tokens=False)
-
-
-class PrefixRewrite(ValueError):
-    """The chat template re-renders earlier turns, so the trace cannot just grow."""
-
-
-def delta_ids(tokenizer, messages: list[dict], reply_ids: list[int], new: list[dict],
-              tools: list[dict] | None = None) -> list[int]:
-    """Token ids that follow the sampled reply when the messages `new` come next.
-
-    `messages` ends with the assistant reply, its content the sampled text. The
-    ids are the template's text after the reply (its end-of-turn, if the model
-    did not sample it), the new messages and the next generation prompt; the
-    reply itself is not re-encoded. Raises PrefixRewrite if the template does
-    not render the longer conversation by appending."""
-    before = _render(tokenizer, messages[:-1], True, tools)
-    closed = _render(tokenizer, messages, False, tools)
-    reply = messages[-1]["content"]
-    if not closed.startswith(before + reply):
-        raise PrefixRewrite("the chat template renders the reply differently from how it was "
-                            "sampled; an Env needs a template that only appends (a ChatAgent "
-                            "gets a new segment instead)")
-    tail = closed[len(before) + len(reply):]            # e.g. "<|im_end|>\n"
-    eos = tokenizer.eos_token
-    if reply_ids and reply_ids[-1] == tokenizer.eos_token_id and eos and tail.startswith(eos):
-        tail = tail[len(eos):]                           # the model sampled it already
-    full = _render(tokenizer, messages + new, True, tools)
-    if not full.startswith(closed):
-        raise PrefixRewrite("the chat template re-renders earlier turns when the conversation "
-                            "grows; an Env needs a template that only appends (a ChatAgent "
-                            "gets a new segment instead)")
-    return _encode(tokenizer, tail + full[len(closed):])
-
-
-def observation_ids(tokenizer, messages: list[dict], reply_ids: list[int],
-                    observation: str | list, role: str = "user") -> list[int]:
-    """Token ids that follow the sampled reply when `observation` (text, or content parts
-    with images) comes next."""
-    return delta_ids(tokenizer, messages, reply_ids, [{"role": role, "content": observation}])
 
 
 async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
@@ -267,10 +111,10 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
     on an agent thread (faults.AgentThreads), so a blocking step cannot freeze the loop."""
     call = call or _call_here
     images = image_tokens.uris(row.get("images")) if image_tokens else _no_images(row.get("images"))
-    messages = with_images(_messages(row["prompt"]), images)
+    messages = with_images(prompt_messages(row["prompt"]), images)
     await call(env.reset, row)
     traj = Trajectory(tokens=[], mask=[], logprobs=[], versions=[], reward=0.0, images=images)
-    prompt = _encode(tokenizer, _render(tokenizer, messages, add_generation_prompt=True))
+    prompt = encode(tokenizer, render(tokenizer, messages, add_generation_prompt=True))
     traj.add(image_tokens.expand(prompt, images) if images else prompt, False)
     turns = max_turns or env.max_turns
     params = dict(sampling)
@@ -280,7 +124,7 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
         if budget <= 0:
             traj.info["truncated"] = 1.0
             break
-        out = await _sample(generate, traj.tokens, traj.images,
+        out = await sample(generate, traj.tokens, traj.images,
                             {**params, "max_tokens": min(params["max_tokens"], budget)}, image_tokens)
         traj.add(out["token_ids"], True, out["logprobs"], out.get("versions", out["version"]))
         action = decode_reply(tokenizer, out["token_ids"])
@@ -376,7 +220,7 @@ async def run_chat_agent(agent: ChatAgent, row: dict, generate: Generate, tokeni
     session = server.open_session(generate, tokenizer, sampling=sampling, max_len=max_len,
                                   image_tokens=image_tokens)
     images = image_tokens.uris(row.get("images")) if image_tokens else _no_images(row.get("images"))
-    messages, shown = with_images(_messages(row["prompt"]), images), iter(images)
+    messages, shown = with_images(prompt_messages(row["prompt"]), images), iter(images)
     messages = [{**m, "content": [{"type": "image_url", "image_url": {"url": next(shown)}}
                                   if p.get("type") in ("image", "image_url") else p for p in m["content"]]}
                 if isinstance(m["content"], list) else m for m in messages]

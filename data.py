@@ -362,10 +362,10 @@ def first_rows(cfg: dict, agent_cls: type | None, n: int = 8) -> list[dict]:
 
 def check_prompts_fit(tokenizer, rows: list[dict], max_len: int, where: str, image_tokens=None) -> None:
     """Refuse when a rendered prompt (its images' tokens included) leaves no room under --max_len."""
-    import agent
+    import trajectory
     for i, row in enumerate(rows):
         images = image_tokens.uris(row.get("images")) if image_tokens else []
-        msgs = agent.with_images(agent._messages(row["prompt"]), images)
+        msgs = trajectory.with_images(trajectory.prompt_messages(row["prompt"]), images)
         text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
         n += sum(image_tokens.counts(images)) - len(images) if images else 0

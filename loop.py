@@ -34,6 +34,7 @@ import agent as agents
 import data
 import faults
 import logs
+import trajectory
 import vision
 from generator import Engines, start_engines
 from server import ChatServer
@@ -102,7 +103,7 @@ class RolloutPool:
             self._drop("timeout", f"rollout exceeded --agent_timeout {self.cfg['agent_timeout']}s"
                        + (f"; the agent's code is blocking its thread at:\n{thread.stack()}" if stuck else ""))
             return []
-        except agents.DropRollout as e:
+        except trajectory.DropRollout as e:
             self._drop(e.reason, str(e))
             return []
         except Exception as e:  # the agent's bug loses only this rollout

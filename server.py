@@ -1,6 +1,7 @@
 """The ChatAgent loopback server: stock OpenAI and Anthropic SDKs over one token-exact trace.
 
-(The agent contract, `ChatAgent` and `run_chat_agent`, is in agent.py; this is the HTTP half.)
+(The agent contract, `ChatAgent` and `run_chat_agent`, is in agent.py; this is the HTTP half.
+The trace and its rendering, `Trajectory`, `render`/`encode`, `delta_ids`, `sample`, are trajectory.py's.)
 
 `ChatServer` (aiohttp, 127.0.0.1 only, in the caller's event loop) serves one URL
 prefix per rollout, `/s/<session>/v1/...`:
@@ -61,7 +62,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent import Generate, PrefixRewrite, Trajectory, _encode, _render, _sample, decode_reply, delta_ids
+from trajectory import Generate, PrefixRewrite, Trajectory, decode_reply, delta_ids, encode, render, sample
 
 log = logging.getLogger("molt")
 MAX_BODY = 64 * 2**20   # long conversations with images exceed aiohttp's 1 MiB default
@@ -505,7 +506,7 @@ class ChatSession:
         rendered = _template_messages(messages, self.native_tools)
         if tools and not self.native_tools:
             rendered = _tool_prompt(rendered, tools)
-        ids = _encode(self.tokenizer, _render(self.tokenizer, rendered, True, native))
+        ids = encode(self.tokenizer, render(self.tokenizer, rendered, True, native))
         images = self._uris(rendered)
         ids = self.image_tokens.expand(ids, images) if images else ids
         return ids, ids, rendered, images
@@ -522,7 +523,7 @@ class ChatSession:
         sampling = {**self.sampling, "max_tokens": limit, **({"stop": req.stop} if req.stop else {}),
                     **({"top_logprobs": req.top_logprobs} if req.top_logprobs else {})}
         try:
-            out = await _sample(self.generate, prompt, images, sampling, self.image_tokens)
+            out = await sample(self.generate, prompt, images, sampling, self.image_tokens)
         except Exception as e:
             self.error = e
             raise

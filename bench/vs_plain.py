@@ -115,6 +115,7 @@ def plain(argv: list[str], steps: int, warmup: int, threads: int | None = None) 
     import agent as agents
     import data
     import main
+    import trajectory
     from trainer import Trainer
 
     mem = Processes()
@@ -134,7 +135,7 @@ def plain(argv: list[str], steps: int, warmup: int, threads: int | None = None) 
             cpu["first"] = mem.cpu()
         t_gen = time.perf_counter()
         batch = [next(rows) for _ in range(P)]
-        prompts = [tok.apply_chat_template(agents._messages(r["prompt"]), add_generation_prompt=True,
+        prompts = [tok.apply_chat_template(trajectory.prompt_messages(r["prompt"]), add_generation_prompt=True,
                                            tokenize=True)["input_ids"] for r in batch]
         width = max(map(len, prompts))
         pad = tok.pad_token_id
@@ -153,7 +154,7 @@ def plain(argv: list[str], steps: int, warmup: int, threads: int | None = None) 
             row, prompt = batch[i // S], prompts[i // S]
             reply = new[i].tolist()
             n = reply.index(tok.eos_token_id) + 1 if tok.eos_token_id in reply else len(reply)
-            action = agents.decode_reply(tok, reply[:n])
+            action = trajectory.decode_reply(tok, reply[:n])
             state = agents.State(prompt=row["prompt"], label=row.get("label"), action=action, observation=None,
                                  messages=[], turn=0, sampling_params={}, row=row,
                                  finish_reason="stop" if n < len(reply) or reply[n - 1] == tok.eos_token_id

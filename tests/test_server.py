@@ -19,8 +19,8 @@ import agent as agents
 import main
 import server as srv
 from _smollm import smol_tokenizer
-from agent import decode_reply
 from fakes import Recorder, check_token_exact, fake, ids
+from trajectory import decode_reply
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "agents"
 

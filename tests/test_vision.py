@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 import agent as agents
+import trajectory
 from fakes import tokens_out
 from server import ChatServer
 import vision
@@ -238,7 +239,7 @@ def _env_rollouts(gen, loop, tok, image_tokens, n: int, seed0: int = 0) -> list[
             return await agents.run_env(TwoPictures(), row, gen.generate, tok,
                                         sampling={"temperature": TEMPERATURE, "max_tokens": 3, "seed": seed},
                                         max_len=512, image_tokens=image_tokens, max_images=4)
-        except agents.DropRollout:
+        except trajectory.DropRollout:
             return None
     async def every():
         return await asyncio.gather(*[one(seed0 + s) for s in range(2 * n)])
@@ -355,7 +356,7 @@ def test_chat_agent_images_are_token_exact(api, gen, trainer, vlm, hf, loop):
                 segs = loop.run_until_complete(agents.run_chat_agent(
                     agent_cls(), row, gen.generate, tok, server, max_len=512, image_tokens=vision.ImageTokens(vlm),
                     sampling={"temperature": TEMPERATURE, "max_tokens": 3, "seed": seed}))
-            except agents.DropRollout:
+            except trajectory.DropRollout:
                 continue
             assert len(segs) == 1 and len(segs[0].images) == 2 and segs[0].tokens.count(PAD) == 16 + 6
             assert segs[0].info["requests"] == 2
@@ -436,14 +437,14 @@ def test_image_rows_are_checked_at_load(tmp_path):
         path.write_text(json.dumps(row) + "\n")
         with pytest.raises(ValueError, match=message):
             data.load_rows(str(path), max_images=2)
-    assert agents.with_images(agents._messages("a <image> b <image>"), ["x", "y"])[0]["content"] == [
+    assert trajectory.with_images(trajectory.prompt_messages("a <image> b <image>"), ["x", "y"])[0]["content"] == [
         {"type": "text", "text": "a "}, {"type": "image"}, {"type": "text", "text": " b "}, {"type": "image"}]
-    assert agents.with_images(agents._messages("plain"), ["x"])[0]["content"] == [
+    assert trajectory.with_images(trajectory.prompt_messages("plain"), ["x"])[0]["content"] == [
         {"type": "image"}, {"type": "text", "text": "plain"}]
     with pytest.raises(ValueError, match="2 image places"):
-        agents.with_images(agents._messages("a <image> b <image>"), ["x"])
+        trajectory.with_images(trajectory.prompt_messages("a <image> b <image>"), ["x"])
     with pytest.raises(ValueError, match="no images"):
-        agents.with_images([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}], [])
+        trajectory.with_images([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}], [])
 
 
 def _vlm_trajectories(vlm, tok) -> list[dict]:
