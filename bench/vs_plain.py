@@ -62,14 +62,17 @@ KINDS = (("engine core", "VLLM::EngineCore"), ("engine actor", "ray::Generator")
 class Processes:
     """Watches this process and all its descendants (Ray, engines, ranks): every 0.1 s the CPU
     time each kind used (`cpu()`: seconds so far, by kind; a process that ended keeps what it
-    used), every 0.5 s their summed PSS (a shared page counts once, split among its sharers:
-    RSS would count Ray's shared-memory object store and shared libraries in every process),
-    its peak and what each kind held at that peak."""
+    used), every 2 s their summed PSS (a shared page counts once, split among its sharers: RSS
+    would count Ray's shared-memory object store and shared libraries in every process), its
+    peak and what each kind held at that peak. The watcher runs in the driver beside ours: it
+    reads command lines and PSS (smaps_rollup, milliseconds for a large process) only every
+    2 s, so that it takes little of the driver's CPU."""
 
     def __init__(self):
         import psutil
         self.me, self.peak, self.parts, self.stop = psutil.Process(), 0, {}, threading.Event()
         self.used: dict[int, tuple[str, float]] = {}   # pid -> (kind, CPU seconds at the last look)
+        self.kinds: dict[int, str] = {}
         self.on_tick = lambda: None
         threading.Thread(target=self._watch, daemon=True).start()
 
@@ -81,12 +84,15 @@ class Processes:
             parts: dict[str, int] = {}
             for p in [self.me, *self.me.children(recursive=True)]:
                 try:
-                    cmd, t = " ".join(p.cmdline()), p.cpu_times()
-                    pss = p.memory_full_info().pss if tick % 5 == 0 else 0   # smaps_rollup: not every tick
+                    if p.pid not in self.kinds or tick % 20 == 0:   # a Ray worker renames itself
+                        cmd = " ".join(p.cmdline())
+                        self.kinds[p.pid] = (next((k for k, mark in KINDS if mark in cmd), "driver")
+                                             if p != self.me else "driver")
+                    kind, t = self.kinds[p.pid], p.cpu_times()
+                    if tick % 20 == 0:
+                        parts[kind] = parts.get(kind, 0) + p.memory_full_info().pss
                 except psutil.Error:
                     continue
-                kind = next((k for k, mark in KINDS if mark in cmd), "driver") if p != self.me else "driver"
-                parts[kind] = parts.get(kind, 0) + pss
                 self.used[p.pid] = (kind, t.user + t.system)
             if sum(parts.values()) > self.peak:
                 self.peak, self.parts = sum(parts.values()), parts
