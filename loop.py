@@ -387,6 +387,7 @@ def run_tagged(cfg: dict) -> dict:
         engines = None if cfg["replay_rollouts"] else start_engines(cfg)
         trainer = TrainerGroup(cfg)
         wait_ready(cfg, [*trainer.ready()] + ([a.warm_up.remote() for a in engines.actors] if engines else []))
+        say_threads(cfg, trainer, engines)
         if engines is not None:
             asyncio.run(engines.connect(trainer))
         if resume_from is not None:
@@ -429,6 +430,17 @@ def run_tagged(cfg: dict) -> dict:
     summary = logs.summarize(history, setup_s, time.perf_counter() - t0, out, final)
     print(summary["text"], file=sys.stderr if cfg["quiet"] else sys.stdout)
     return summary
+
+
+def say_threads(cfg: dict, trainer, engines) -> None:
+    """Say on stderr the threads each trainer rank and CPU engine computes with (parallel.cpu_threads)."""
+    import ray
+    ranks = ray.get([w.torch_threads.remote() for w in trainer.workers])
+    cpu_engines = [t for t in ray.get([a.omp_threads.remote() for a in engines.actors]) if t] if engines else []
+    how = ("async: trainer and engines compute at once, on shares of the cores" if cfg["async_depth"]
+           else "on-policy: each phase takes the cores while the other waits")
+    print(f"threads: trainer rank(s) {ranks} (torch)" + (f", engine(s) {cpu_engines} (OpenMP)" if cpu_engines else "")
+          + f"; {how}; override with --train_threads / --engine_threads", file=sys.stderr)
 
 
 def wait_ready(cfg: dict, refs: list):
