@@ -130,7 +130,7 @@ def test_smollm2_tool_agent_rewards_the_product_after_the_tool(tmp_path):
     env_cls, module = _tool_recipe()
     held = module.heldout()
     assert len(set(held)) == 128 and held == module.heldout()
-    train = [r["prompt"][-1]["content"] for r in itertools.islice(env_cls.prompts(0), 3000)]
+    train = [r["prompt"][-1]["content"] for r in itertools.islice(env_cls.prompts(0), 30000)]
     assert not set(train) & {f"What is {a} * {b}?" for a, b in held}
     row = next(env_cls.prompts(0))
     a, b = map(int, re.findall(r"\d+", row["prompt"][-1]["content"]))
