@@ -18,7 +18,7 @@ Rows may carry "tool": false (the no-tool ablation): then the prompt asks for th
 directly, the episode has one turn and code is not run. The held-out problems are fixed
 (HELDOUT_SEED) and never among the training prompts:
 
-    python examples/recipes/smollm2_tool.py OUT_DIR     # writes heldout.jsonl, heldout_notool.jsonl
+    PYTHONPATH=. python examples/recipes/smollm2_tool.py OUT_DIR     # writes heldout.jsonl, heldout_notool.jsonl
     python main.py --model smollm2 --agent examples/recipes/smollm2_tool.py --eval_only \
         --eval_dataset OUT_DIR/heldout.jsonl --max_new_tokens 48 --max_len 512
 """

@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 DATA="${MOLT_CACHE:-$HOME/.cache/molt}/smollm2_tool"
-"${PYTHON:-python}" examples/recipes/smollm2_tool.py "$DATA"
+PYTHONPATH=. "${PYTHON:-python}" examples/recipes/smollm2_tool.py "$DATA"   # agent.py imports from here
 exec "${PYTHON:-python}" main.py \
   --model smollm2 \
   --agent examples/recipes/smollm2_tool.py \
