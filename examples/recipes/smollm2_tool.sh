@@ -12,11 +12,11 @@ PYTHONPATH=. "${PYTHON:-python}" examples/recipes/smollm2_tool.py "$DATA"   # ag
 exec "${PYTHON:-python}" main.py \
   --model smollm2 \
   --agent examples/recipes/smollm2_tool.py \
-  --prompts_per_step 8 --samples_per_prompt 8 \
+  --prompts_per_step 8 --samples_per_prompt 4 \
   --max_new_tokens 40 --max_len 512 --temperature 1.0 \
-  --eval_dataset "$DATA/heldout.jsonl" --eval_temperature 1.0 --eval_every 10 \
-  --lr 2e-5 --mini_batches 2 --micro_batch_size 16 \
+  --eval_dataset "$DATA/heldout.jsonl" --eval_temperature 1.0 --eval_every 4 \
+  --lr 1e-5 --mini_batches 2 --micro_batch_size 16 \
   --param_dtype auto --train_threads 2 \
-  --steps 20 \
+  --steps 8 \
   --output_dir runs/smollm2_tool \
   "$@"
