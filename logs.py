@@ -161,39 +161,6 @@ def plot(runs: list[str | Path], out: str | Path) -> str:
     return str(out)
 
 
-# ---------------------------------------------------------------- the README's flag reference
-
-def flags_markdown(parser, root: str | None = None) -> str:
-    """Every flag of `parser` as Markdown tables, one per argument group (docs/flags.py prints it).
-    Defaults under `root` (the checkout) are shown relative to it, so the table is the same anywhere."""
-    lines = []
-    for group in parser._action_groups:
-        actions = [a for a in group._group_actions if a.option_strings and a.dest != "help"]
-        if not actions:
-            continue
-        lines += [f"**{group.title}**", "", "| flag | default | meaning |", "|---|---|---|"]
-        for a in actions:
-            flag = ", ".join(a.option_strings)
-            if a.choices:
-                flag += " {" + "|".join(map(str, a.choices)) + "}"
-            elif a.nargs not in (None, 0) and a.metavar:
-                flag += " " + " ".join(a.metavar if isinstance(a.metavar, tuple) else [a.metavar])
-            value = a.default
-            if root and isinstance(value, str) and value.startswith(root):
-                value = os.path.relpath(value, root)
-            default = "" if value in (None, False, []) or value is argparse_suppress() else f"`{value}`"
-            help_text = (a.help or "").replace("|", "\\|").replace("\n", " ")
-            flag = flag.replace("|", "\\|")   # a pipe in a table cell, even in code, must be escaped
-            lines.append(f"| `{flag}` | {default} | {help_text} |")
-        lines.append("")
-    return "\n".join(lines).rstrip() + "\n"
-
-
-def argparse_suppress():
-    import argparse
-    return argparse.SUPPRESS
-
-
 # ---------------------------------------------------------------- the loop's step metrics and summary
 
 def batch_metrics(trajs: list[dict]) -> dict:
