@@ -61,7 +61,7 @@ def pick(dump: Path, want_success: bool) -> dict:
     return trajs[0]
 
 
-def curve(metrics: list[dict], evals: list[tuple[int, float]], path: Path):
+def curve(metrics: list[dict], first: float, final: float, path: Path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -69,7 +69,9 @@ def curve(metrics: list[dict], evals: list[tuple[int, float]], path: Path):
     steps = [m["step"] for m in metrics]
     ax.plot(steps, [m["reward_mean"] for m in metrics], label="train reward (success)")
     ax.plot(steps, [m["info/tool"] for m in metrics], label="train tool-use rate")
-    ax.plot(*zip(*evals), "o-", label="held-out success (128 problems)")
+    during = [(m["step"], m["eval/reward_mean"]) for m in metrics if "eval/reward_mean" in m]
+    ax.plot(*zip((0, first), *during), "o-", label="held-out success (128 problems, --eval_every)")
+    ax.plot([0, steps[-1]], [first, final], "s", color="black", label="held-out success, --eval_only (initial, final)")
     ax.set_xlabel("step")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
@@ -89,10 +91,7 @@ def main():
     minutes = (time.perf_counter() - t0) / 60
 
     metrics = [json.loads(line) for line in (OUT / "metrics.jsonl").read_text().splitlines()]
-    evals = [(0, first["eval/reward_mean"])] + [(m["step"], m["eval/reward_mean"]) for m in metrics
-                                                 if "eval/reward_mean" in m]
-    evals.append((metrics[-1]["step"], final["eval/reward_mean"]))
-    curve(metrics, evals, OUT / "learning_curve.png")
+    curve(metrics, first["eval/reward_mean"], final["eval/reward_mean"], OUT / "learning_curve.png")
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(OUT / "final")
     dumps = sorted((OUT / "dump").glob("step_*.jsonl"))
