@@ -49,7 +49,8 @@ MAX_OUTPUT = 4000  # characters of output shown to the model
 SYSTEM = ("You can run Python. To run code, write it in a ```python code block; you will see what "
           "it prints. When you know the answer, reply with <answer>NUMBER</answer> and nothing else.")
 NOBODY = 65534
-READY = b"\0sandbox ready\n"   # the launcher's first output: what comes after it is the snippet's
+READY = b"\0sandbox ready\n"   # written just before the snippet starts: what follows is its output
+# (none: set-up failed)
 
 # The launcher: PID 1 of the new namespaces (argv: root folder, code, memory bytes, CPU
 # seconds). Its exit takes every process of the PID namespace with it.
