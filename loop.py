@@ -209,7 +209,8 @@ async def collect(pool: RolloutPool, cfg: dict, version: int, first_step: bool, 
 
 async def evaluate(cfg: dict, client, agent_cls: type, tokenizer, rows: list[dict], server=None,
                    threads: faults.AgentThreads | None = None) -> dict:
-    """Mean reward and pass@k (a rollout passes when its reward reaches 1) on held-out rows."""
+    """Mean reward, pass@k (a rollout passes when its reward reaches 1) and the mean of each
+    Result.info key (a failed rollout counts 0) on held-out rows."""
     k = cfg["eval_samples"]
     sampling = {"temperature": cfg["eval_temperature"], "max_tokens": cfg["max_new_tokens"]}
     own_threads = threads is None
@@ -218,12 +219,13 @@ async def evaluate(cfg: dict, client, agent_cls: type, tokenizer, rows: list[dic
     async def one(row):
         thread = threads.take()
         try:
-            return (await run_agent(cfg, agent_cls, row, client.session(), tokenizer, server, sampling,
-                                    thread.call))[0].reward
+            traj = (await run_agent(cfg, agent_cls, row, client.session(), tokenizer, server, sampling,
+                                    thread.call))[0]
+            return traj.reward, traj.info
         except Exception as e:  # an eval rollout that fails scores 0, like a wrong answer
             if client.is_engine_error(e):
                 raise
-            return 0.0
+            return 0.0, {}
         finally:
             threads.give_back(thread)
 
@@ -232,15 +234,18 @@ async def evaluate(cfg: dict, client, agent_cls: type, tokenizer, rows: list[dic
         server = ChatServer()
         await server.start()
     try:
-        rewards = await asyncio.gather(*[one(r) for r in rows for _ in range(k)])
+        results = await asyncio.gather(*[one(r) for r in rows for _ in range(k)])
     finally:
         if own_server:
             await server.stop()
         if own_threads:
             threads.close()
+    rewards = [reward for reward, _ in results]
     by_row = [rewards[i * k:(i + 1) * k] for i in range(len(rows))]
+    keys = sorted({key for _, info in results for key in info})
     return {"eval/reward_mean": sum(rewards) / len(rewards),
-            f"eval/pass@{k}": sum(max(r) >= 1.0 for r in by_row) / len(by_row)}
+            f"eval/pass@{k}": sum(max(r) >= 1.0 for r in by_row) / len(by_row),
+            **{f"eval/info/{key}": sum(info.get(key, 0.0) for _, info in results) / len(results) for key in keys}}
 
 
 def eval_rows(cfg: dict, agent_cls: type) -> list[dict]:
@@ -387,6 +392,7 @@ def run_tagged(cfg: dict) -> dict:
         engines = None if cfg["replay_rollouts"] else start_engines(cfg)
         trainer = TrainerGroup(cfg)
         wait_ready(cfg, [*trainer.ready()] + ([a.warm_up.remote() for a in engines.actors] if engines else []))
+        say_threads(cfg, trainer, engines)
         if engines is not None:
             asyncio.run(engines.connect(trainer))
         if resume_from is not None:
@@ -429,6 +435,17 @@ def run_tagged(cfg: dict) -> dict:
     summary = logs.summarize(history, setup_s, time.perf_counter() - t0, out, final)
     print(summary["text"], file=sys.stderr if cfg["quiet"] else sys.stdout)
     return summary
+
+
+def say_threads(cfg: dict, trainer, engines) -> None:
+    """Say on stderr the threads each trainer rank and CPU engine computes with (parallel.cpu_threads)."""
+    import ray
+    ranks = ray.get([w.torch_threads.remote() for w in trainer.workers])
+    cpu_engines = [t for t in ray.get([a.omp_threads.remote() for a in engines.actors]) if t] if engines else []
+    how = ("async: trainer and engines compute at once, on shares of the cores" if cfg["async_depth"]
+           else "on-policy: each phase takes the cores while the other waits")
+    print(f"threads: trainer rank(s) {ranks} (torch)" + (f", engine(s) {cpu_engines} (OpenMP)" if cpu_engines else "")
+          + f"; {how}; override with --train_threads / --engine_threads", file=sys.stderr)
 
 
 def wait_ready(cfg: dict, refs: list):

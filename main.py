@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--engine_ep", action="store_true", help="expert parallelism inside each engine (MoE)")
     g.add_argument("--engine_max_seqs", type=int, default=1024, help="sequences one engine runs at once (vLLM's "
                    "max_num_seqs; its own default of 128 makes a 512-rollout step take four waves)")
+    g.add_argument("--engine_threads", type=int, default=None, help="OpenMP threads of each CPU engine (default: "
+                   "its node's cores, shared among the engines there; with --async_depth >= 1 a share beside the "
+                   "trainer ranks; said at start-up)")
     g.add_argument("--engine_dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="engine weights dtype (default: --param_dtype)")
     g.add_argument("--prefix_caching", action=argparse.BooleanOptionalAction, default=True,
@@ -191,7 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--param_dtype", default="float32", choices=["float32", "bfloat16", "auto"],
                    help="trainer compute dtype and engine dtype (auto: bfloat16 on a GPU or a CPU with AMX/AVX512-BF16 "
                    "instructions, else float32; said at start-up)")
-    g.add_argument("--train_threads", type=int, default=None, help="torch threads in the trainer (default: torch's)")
+    g.add_argument("--train_threads", type=int, default=None, help="torch threads of each trainer rank (default on "
+                   "CPU: its node's cores, shared among the ranks there; with --async_depth >= 1 a share beside the "
+                   "engines; said at start-up)")
 
     g = p.add_argument_group("scale")
     g.add_argument("--train_workers", type=int, default=1, help="trainer ranks (Ray actors in one process group)")
@@ -255,6 +260,8 @@ def validate(cfg: dict) -> dict:
     need(cfg["mini_batches"] <= cfg["prompts_per_step"] * cfg["samples_per_prompt"],
          "--mini_batches cannot exceed the rollouts per step (prompts_per_step * samples_per_prompt)")
     need(cfg["async_depth"] >= 0, f"--async_depth must be >= 0, got {cfg['async_depth']}")
+    for k in ("train_threads", "engine_threads"):
+        need(cfg[k] is None or cfg[k] >= 1, f"--{k} must be >= 1, got {cfg[k]}")
     # What an estimator or a loss needs, refuses and defaults to is declared in its entry
     # (estimators.ESTIMATORS, losses.POLICY_LOSSES); the checks below read the entries.
     est, loss = estimators.ESTIMATORS[cfg["estimator"]], losses.POLICY_LOSSES[cfg["loss"]]

@@ -192,13 +192,20 @@ class Trainer:
     ones padded with a zero-weight row so collectives never deadlock)."""
 
     def __init__(self, cfg: dict, rank: int = 0, world_size: int = 1,
-                 master_addr: str = "127.0.0.1", master_port: int = 0):
+                 master_addr: str = "127.0.0.1", master_port: int = 0,
+                 node: tuple[int, int, bool] | None = None):
         from transformers import AutoConfig, AutoTokenizer
 
         self.cfg = cfg
         torch.manual_seed(cfg["seed"])
-        if cfg.get("train_threads"):
-            torch.set_num_threads(cfg["train_threads"])
+        # node: (trainer ranks, engines on this rank's node, whether they overlap) from TrainerGroup:
+        # on CPU the rank's torch threads come from its node's cores (parallel.cpu_threads; a Ray
+        # actor would otherwise train with one, Ray's OMP_NUM_THREADS). In-process: torch's default.
+        threads = cfg.get("train_threads")
+        if node is not None and not torch.cuda.is_available():
+            threads = parallel.cpu_threads(parallel.node_cores(), *node, train_threads=threads)[0]
+        if threads:
+            torch.set_num_threads(threads)
         self.device = parallel.init_distributed(rank, world_size, master_addr,
                                                 master_port or parallel.free_port())
         self.dims = parallel.ParallelDims(world_size=world_size, tp=cfg.get("tp_size", 1),
@@ -611,6 +618,9 @@ class Trainer:
     def get_version(self) -> int:
         return self.version
 
+    def torch_threads(self) -> int:
+        return torch.get_num_threads()
+
     # ---- checkpoints ------------------------------------------------------------------------
     def _ckpt_state(self) -> tuple[dict, dict]:
         """(what DCP saves/loads, the state dicts it views). MoE experts appear one entry per
@@ -736,9 +746,13 @@ class TrainerGroup:
                 Path(m).unlink(missing_ok=True)
         check_shared_storage(facts, markers)
         self.master = (facts[0]["ip"], facts[0]["port"])    # rank 0's node hosts the store
+        # Who shares each rank's node, for its CPU threads (parallel.cpu_threads).
+        nodes = [ray.util.placement_group_table(pg)["bundles_to_node_id"][i] for pg, i in self.slots]
+        engines = 0 if cfg.get("replay_rollouts") or not parallel.one_node() else cfg.get("num_engines", 1)
         remote = ray.remote(actor or Trainer)
         self.workers = [remote.options(num_cpus=1, num_gpus=gpus, **parallel.in_bundle(pg, i)).remote(
-                        cfg, rank, n, *self.master) for rank, (pg, i) in enumerate(self.slots)]
+                        cfg, rank, n, *self.master, node=(nodes.count(nodes[rank]), engines, cfg.get("async_depth", 0) > 0))
+                        for rank, (pg, i) in enumerate(self.slots)]
 
     def ready(self) -> list:
         return [w.get_version.remote() for w in self.workers]
