@@ -135,7 +135,7 @@ def test_masked_positions_zero_even_with_inf(kind):
     old = t([[-0.7, -inf, -1.1, 0.0], [-0.3, -0.1, -60.0, -inf]])
     mask = t([[1, 0, 1, 0], [1, 1, 0, 0]])
     loss, m = policy_loss(kind, lp, old, t([[1.0, 5.0, -1.0, 5.0], [0.5, -0.5, 5.0, 5.0]]), mask,
-                          dual_clip=None if kind == "cispo" else 3.0)
+                          dual_clip=None if POLICY_LOSSES[kind].no_dual_clip else 3.0)
     aggregate(loss, mask, "seq_mean_token_mean").backward()
     assert torch.isfinite(loss).all() and torch.isfinite(lp.grad).all()
     assert (loss[mask == 0] == 0).all() and (lp.grad[mask == 0] == 0).all()
@@ -159,6 +159,18 @@ def test_policy_loss_errors():
         policy_loss("cispo", x, x, x, x, dual_clip=3.0)
     with pytest.raises(ValueError, match="ppo needs eps_low"):
         policy_loss("ppo", x, x, x, x, eps_low=None)
+
+
+@pytest.mark.parametrize("kind", POLICY_LOSSES)
+def test_each_loss_refuses_what_its_entry_refuses(kind):
+    spec, x = POLICY_LOSSES[kind], torch.zeros(1, 2)
+    if spec.no_dual_clip:
+        with pytest.raises(ValueError, match=spec.no_dual_clip):
+            policy_loss(kind, x, x, x, x, dual_clip=3.0)
+    if spec.eps_clip[0] is not None:
+        with pytest.raises(ValueError, match=f"{kind} needs eps_low"):
+            policy_loss(kind, x, x, x, x, eps_low=None)
+    policy_loss(kind, x, x, x, x, eps_low=spec.eps_clip[0], eps_high=spec.eps_clip[1])  # its defaults work
 
 
 # ---------------------------------------------------------------- aggregation
