@@ -120,7 +120,7 @@ def test_trainer_actor_trains_with_the_threads_chosen(tiny_model, tmp_path):
     import ray
     import main
     cores = parallel.node_cores()
-    ray.init(num_cpus=4, include_dashboard=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False)   # not the module's Cluster, if it runs
     try:
         groups = {}
         for flags in ([], ["--async_depth", "1", "--is_level", "token"], ["--train_threads", "3"]):
