@@ -14,9 +14,15 @@ Token-level recursions (discounting, GAE) run per row over action tokens only:
 non-action tokens are transparent. A segment is treated as its own trajectory
 whose reward sits on its last action token.
 
+To add an estimator: write its function with the signature above and add an entry to
+ESTIMATORS declaring its properties (`Spec`); `--estimator NAME` picks it, main.validate
+and the trainer read the entry, and the generic tests (tests/test_estimators.py,
+tests/test_algorithms.py, tests/test_main.py) cover it.
+
 Test: python -m pytest -q tests/test_estimators.py
 """
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -91,12 +97,6 @@ def _broadcast(per_row: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     return adv, adv.clone()
 
 
-def _no_kl(name: str, kl_coef: float) -> None:
-    # Group estimators put KL in the loss, not the reward; refuse rather than silently drop it.
-    if kl_coef != 0.0:
-        raise ValueError(f"{name} does not support KL-in-reward (kl_coef={kl_coef}); use a KL loss term instead")
-
-
 def reinforce(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: OptT = None, values: OptT = None,
               gamma: float = 1.0, lam: float = 1.0, kl_coef: float = 0.0, rollout_ids: OptT = None) -> Pair:
     """Discounted return of reward (+ KL-in-reward), no baseline; advantages = returns."""
@@ -123,7 +123,6 @@ def reinforce_pp_baseline(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: 
 def rloo(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: OptT = None, values: OptT = None,
          gamma: float = 1.0, lam: float = 1.0, kl_coef: float = 0.0, rollout_ids: OptT = None) -> Pair:
     """Reward minus the mean of the other rollouts of its group; 0 for a group of one rollout."""
-    _no_kl("rloo", kl_coef)
     mean, _, n = group_stats(rewards, groups, rollout_ids)
     # r - (n*mean - r)/(n-1) == n/(n-1) * (r - mean)
     adv = torch.where(n > 1, n / (n - 1).clamp(min=1) * (rewards.float() - mean), 0)
@@ -133,7 +132,6 @@ def rloo(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: OptT = None, valu
 def grpo(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: OptT = None, values: OptT = None,
          gamma: float = 1.0, lam: float = 1.0, kl_coef: float = 0.0, rollout_ids: OptT = None) -> Pair:
     """(reward - group mean) / (group std + 1e-6), population std (unbiased=False), per rollout."""
-    _no_kl("grpo", kl_coef)
     mean, std, _ = group_stats(rewards, groups, rollout_ids)
     return _broadcast((rewards.float() - mean) / (std + 1e-6), mask)
 
@@ -141,7 +139,6 @@ def grpo(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: OptT = None, valu
 def dr_grpo(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: OptT = None, values: OptT = None,
             gamma: float = 1.0, lam: float = 1.0, kl_coef: float = 0.0, rollout_ids: OptT = None) -> Pair:
     """Dr. GRPO: reward - group mean (per rollout), no std normalisation."""
-    _no_kl("dr_grpo", kl_coef)
     mean, _, _ = group_stats(rewards, groups, rollout_ids)
     return _broadcast(rewards.float() - mean, mask)
 
@@ -177,17 +174,37 @@ def on_policy_distill(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: OptT
     return adv, adv.clone()
 
 
-ESTIMATORS: dict[str, Estimator] = {
-    "reinforce": reinforce,
-    "reinforce_pp": reinforce_pp,
-    "reinforce_pp_baseline": reinforce_pp_baseline,
-    "rloo": rloo,
-    "grpo": grpo,
-    "dr_grpo": dr_grpo,
-    "gae": gae,
-    "on_policy_distill": on_policy_distill,
+@dataclass(frozen=True)
+class Spec:
+    """An estimator and what the rest of the code needs to know about it (main.validate
+    refuses flags by these, the trainer builds a critic or a teacher by them). Calling a Spec
+    calls its function."""
+    fn: Estimator
+    group: bool = False                    # compares rollouts of one prompt: needs --samples_per_prompt >= 2
+    no_kl_in_reward: Optional[str] = None  # why a KL penalty in the reward is refused (kl_coef must be 0)
+    critic: bool = False                   # needs critic values: a value model is trained (--critic_*)
+    teacher: bool = False                  # the advantage is -kl_coef * (log pi - log pi_teacher): needs
+                                           # --ref_model and --kl_coef > 0, and takes no other KL term
+
+    def __call__(self, rewards: Tensor, mask: Tensor, groups: Tensor, **kw) -> Pair:
+        if self.no_kl_in_reward and kw.get("kl_coef", 0.0) != 0.0:  # refuse rather than silently drop it
+            raise ValueError(f"{self.fn.__name__} does not support KL-in-reward (kl_coef={kw['kl_coef']}): it "
+                             f"{self.no_kl_in_reward}; use a KL loss term instead")
+        return self.fn(rewards, mask, groups, **kw)
+
+
+_GROUP_NORMALIZED = "normalizes a sequence reward within its group"
+ESTIMATORS: dict[str, Spec] = {
+    "reinforce": Spec(reinforce),
+    "reinforce_pp": Spec(reinforce_pp),
+    "reinforce_pp_baseline": Spec(reinforce_pp_baseline, group=True),
+    "rloo": Spec(rloo, group=True, no_kl_in_reward=_GROUP_NORMALIZED),
+    "grpo": Spec(grpo, group=True, no_kl_in_reward=_GROUP_NORMALIZED),
+    "dr_grpo": Spec(dr_grpo, group=True, no_kl_in_reward=_GROUP_NORMALIZED),
+    "gae": Spec(gae, critic=True),
+    "on_policy_distill": Spec(on_policy_distill, teacher=True),
 }
-GROUP_ESTIMATORS: set[str] = {"reinforce_pp_baseline", "rloo", "grpo", "dr_grpo"}
+GROUP_ESTIMATORS: set[str] = {name for name, spec in ESTIMATORS.items() if spec.group}
 
 
 def compute_advantages(name: str, rewards: Tensor, mask: Tensor, groups: Tensor, **kw) -> Pair:

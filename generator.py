@@ -117,8 +117,10 @@ class Generator:
                  expert_parallel: bool = False, spec_decode: str | None = None, spec_tokens: int = 3,
                  max_images: int = 8, trust_remote_code: bool = False, max_seqs: int = 1024,
                  cpu_slot: tuple[list[str], int] | None = None):
-        if cpu_slot is not None:  # (every engine's node, our index): our cores, before vLLM starts
-            os.environ.update(cpu_engine_env(*cpu_slot, os.cpu_count() or 1, tp_size))
+        self.threads = None  # the engine core's OpenMP threads on CPU (said at start-up)
+        if cpu_slot is not None:  # our cores and threads, counted on our node, before vLLM starts
+            os.environ.update(cpu_engine_env(*cpu_slot, tp_size=tp_size))
+            self.threads = int(os.environ.get("OMP_NUM_THREADS", 0)) or None
         from transformers import AutoConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -305,6 +307,9 @@ class Generator:
         (kernel set-up), which would otherwise count against the first rollouts' --agent_timeout."""
         await self.generate([0, 1, 2], {"max_tokens": 2, "temperature": 1.0})
         return self.version
+
+    def omp_threads(self) -> int | None:
+        return self.threads
 
     def take_busy_seconds(self) -> float:
         """Seconds with requests in flight since the last call (for idle metrics)."""
@@ -575,9 +580,10 @@ async def all_or_first_error(jobs: list) -> list:
 def start_engines(cfg: dict) -> Engines:
     """--num_engines Generator actors, one Ray bundle each (one CPU, and its --engine_tp_size x
     --engine_dp_size GPUs on one node where the cluster has GPUs, plus --engine_resources), in
-    a placement group of their own: engine GPUs are never the trainer's. On CPU, engines that
-    share a node split that node's cores (vLLM binds every engine's OpenMP threads to core 0
-    by default); the cores are counted on the engine's node, not the driver's (cpu_engine_env)."""
+    a placement group of their own: engine GPUs are never the trainer's. On CPU each engine's
+    OpenMP threads come from its node's cores (parallel.cpu_threads: all of them on-policy, a
+    share while the trainer trains at the same time with --async_depth >= 1); engines that share
+    a node bind to cores of their own; the cores are counted on the engine's node (cpu_engine_env)."""
     import ray
     import parallel
     n, gpus = cfg["num_engines"], parallel.gpu_shares(cfg, ray.cluster_resources().get("GPU", 0))[1]
@@ -587,6 +593,8 @@ def start_engines(cfg: dict) -> Engines:
     # Which node holds each engine, from the placement itself: a task asking each node (a worker
     # to start and torch to import, ~4 s before the first engine could start) is not needed.
     nodes = [ray.util.placement_group_table(pg)["bundles_to_node_id"][i] for i in range(n)]
+    trainers_here = 0 if cfg.get("replay_rollouts") or not parallel.one_node() else cfg["train_workers"]
+    overlap = cfg["async_depth"] > 0
     eager = cfg.get("enforce_eager")
     eager = not gpus if eager is None else eager  # CUDA graphs on GPU; on CPU compiling only slows start-up
     actors = []
@@ -599,30 +607,38 @@ def start_engines(cfg: dict) -> Engines:
             tp_size=cfg["engine_tp_size"], dp_size=cfg["engine_dp_size"], expert_parallel=cfg["engine_ep"],
             spec_decode=cfg["spec_decode"], spec_tokens=cfg["spec_tokens"],
             max_images=cfg["max_images_per_prompt"], trust_remote_code=cfg["trust_remote_code"],
-            max_seqs=cfg["engine_max_seqs"], cpu_slot=None if gpus else (nodes, i)))
+            max_seqs=cfg["engine_max_seqs"],
+            cpu_slot=None if gpus else (nodes, i, trainers_here, overlap, cfg.get("engine_threads"))))
     return Engines(actors, cfg["check_weight_sync"], broadcast=cfg["weight_sync"] == "broadcast",
                    workers_per_engine=per_engine)
 
 
-def cpu_engine_env(nodes: list[str], i: int, cpus: int, tp_size: int = 1) -> dict:
-    """The environment of CPU engine `i`, from the node each engine runs on (`nodes`) and the CPU
-    count of engine i's node (counted there, by the engine): engines on one node split its cores
-    ("lo-hi"; more engines than cores share them round-robin); an engine alone on its node takes
-    all but one core (the driver, the engine's Ray actor and the trainer share that one).
+def cpu_engine_env(nodes: list[str], i: int, trainers: int, overlap: bool, threads: int | None = None,
+                   cores: int | None = None, tp_size: int = 1) -> dict:
+    """The environment of CPU engine `i`, from the node each engine runs on (`nodes`), the trainer
+    ranks on engine i's node, whether they train while it generates (`overlap`), --engine_threads
+    (`threads`) and the cores of engine i's node (counted there, by the engine). The thread count
+    is parallel.cpu_threads'; engines that share a node bind to cores of their own ("lo-hi"; more
+    engines than cores share them round-robin). An engine alone on its node is not bound: on-policy
+    it takes every core while the trainer sleeps, and the trainer every core while it sleeps.
 
     With one rank the worker runs inside vLLM's engine-core process (its uni executor) with
-    OpenMP threads we bind: vLLM's multiprocess executor makes the worker and the scheduler
-    busy-wait on each other (sched_yield for 1 s after every message), which on a small
-    machine takes cores from everything else (0.9 -> 0.65 s per default step on 2 cores).
-    With tensor parallelism vLLM's own executor binds each rank."""
+    OpenMP threads we set (vLLM binds threads itself only in its multiprocess executor):
+    that executor makes the worker and the scheduler busy-wait on each other (sched_yield for
+    1 s after every message), which on a small machine takes cores from everything else (0.9 ->
+    0.65 s per default step on 2 cores). With tensor parallelism vLLM's own executor binds each
+    rank (VLLM_CPU_OMP_THREADS_BIND; "auto": the node's cores less one per rank for its scheduler)."""
+    import parallel
+    cores = cores or parallel.node_cores()
     peers = [j for j, m in enumerate(nodes) if m == nodes[i]]
-    share = max(1, cpus // len(peers)) if len(peers) > 1 else max(1, cpus - 1)
-    lo = peers.index(i) * share % cpus if len(peers) > 1 else 0
+    share = parallel.cpu_threads(cores, trainers, len(peers), overlap, engine_threads=threads)[1]
+    lo = peers.index(i) * share % cores
     if tp_size > 1:
-        return {} if len(peers) == 1 else {"VLLM_CPU_OMP_THREADS_BIND": f"{lo}-{lo + share - 1}"}
+        return {} if len(peers) == 1 else {"VLLM_CPU_OMP_THREADS_BIND": f"{lo}-{min(lo + share, cores) - 1}"}
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(share)}
     if len(peers) > 1:
-        env.update(OMP_PLACES="{" + ",".join(map(str, range(lo, lo + share))) + "}", OMP_PROC_BIND="true")
+        env.update(OMP_PLACES="{" + ",".join(str(c % cores) for c in range(lo, lo + share)) + "}",
+                   OMP_PROC_BIND="true")
     return env
 
 

@@ -11,7 +11,10 @@
 Agents run here, in the driver, as asyncio tasks; each rollout calls the
 generator actors for every turn (one sticky engine per rollout). With --async_depth 0 the loop is strictly
 on-policy: no group for step s+1 starts before the weights of step s are in
-the engine. With depth K, groups may start up to K policy versions early.
+the engine. With depth K, groups may start up to K policy versions early, and
+staleness is bounded where it matters, at consumption: a group whose oldest
+sampled token is more than K versions older than the policy it would train (a
+slow group, or a partial rollout's first tokens) is dropped (`dropped/stale`).
 
     python main.py --steps 20          # see main.py for every flag
 """
@@ -152,10 +155,18 @@ async def run_agent(cfg: dict, agent_cls: type, row: dict, generate, tokenizer, 
     return result if isinstance(result, list) else [result]
 
 
-async def collect(pool: RolloutPool, cfg: dict, version: int, first_step: bool) -> list[dict]:
-    """Wait for --prompts_per_step usable groups; empty (all rollouts dropped) and, with
-    --filter_groups, all-equal-reward groups are replaced by new ones from the pool. Stops the
-    run when the first step's first groups all fail, or --max_failed_groups fail in a row."""
+def oldest_token(trajectories: list) -> int | None:
+    """The policy version of the oldest sampled token of these trajectories (None: none)."""
+    firsts = [min(itertools.compress(t.versions, t.mask), default=None) for t in trajectories]
+    return min((v for v in firsts if v is not None), default=None)
+
+
+async def collect(pool: RolloutPool, cfg: dict, version: int, first_step: bool, policy: int) -> list[dict]:
+    """Wait for --prompts_per_step usable groups to train policy version `policy`; empty (all
+    rollouts dropped), stale (a token more than --async_depth versions older than `policy`)
+    and, with --filter_groups, all-equal-reward groups are replaced by new ones from the pool.
+    Stops the run when the first step's first groups all fail, or --max_failed_groups fail in
+    a row. `version`: policy versions trained since this run (or resume) started."""
     P, K = cfg["prompts_per_step"], cfg["async_depth"]
     groups, empty = [], 0
     pool.fill((version + K + 1) * P)
@@ -164,7 +175,17 @@ async def collect(pool: RolloutPool, cfg: dict, version: int, first_step: bool) 
         if isinstance(group, BaseException):
             raise group  # an engine failure: stop with its error
         rewards = [t.reward for t in group["trajectories"]]
-        if not rewards:
+        oldest = oldest_token(group["trajectories"])
+        if rewards and oldest is not None and policy - oldest > K:
+            # Groups are taken in finish order, so a slow one can arrive any number of versions
+            # late: the bound on staleness is enforced here, on the tokens it would train.
+            pool.drops["stale"] += len({t.rollout_id for t in group["trajectories"]})  # per rollout
+            pool.refill += 1
+            if "stale" not in pool.logged:  # not a failure: said once, then counted
+                pool.logged.add("stale")
+                log.warning("dropped a group that finished with tokens more than --async_depth %d policy versions "
+                            "older than the policy it would train (counted in dropped/stale)", K)
+        elif not rewards:
             empty += 1
             pool.refill += 1
             pool.failed_in_a_row += 1
@@ -188,7 +209,8 @@ async def collect(pool: RolloutPool, cfg: dict, version: int, first_step: bool) 
 
 async def evaluate(cfg: dict, client, agent_cls: type, tokenizer, rows: list[dict], server=None,
                    threads: faults.AgentThreads | None = None) -> dict:
-    """Mean reward and pass@k (a rollout passes when its reward reaches 1) on held-out rows."""
+    """Mean reward, pass@k (a rollout passes when its reward reaches 1) and the mean of each
+    Result.info key (a failed rollout counts 0) on held-out rows."""
     k = cfg["eval_samples"]
     sampling = {"temperature": cfg["eval_temperature"], "max_tokens": cfg["max_new_tokens"]}
     own_threads = threads is None
@@ -197,12 +219,13 @@ async def evaluate(cfg: dict, client, agent_cls: type, tokenizer, rows: list[dic
     async def one(row):
         thread = threads.take()
         try:
-            return (await run_agent(cfg, agent_cls, row, client.session(), tokenizer, server, sampling,
-                                    thread.call))[0].reward
+            traj = (await run_agent(cfg, agent_cls, row, client.session(), tokenizer, server, sampling,
+                                    thread.call))[0]
+            return traj.reward, traj.info
         except Exception as e:  # an eval rollout that fails scores 0, like a wrong answer
             if client.is_engine_error(e):
                 raise
-            return 0.0
+            return 0.0, {}
         finally:
             threads.give_back(thread)
 
@@ -211,15 +234,18 @@ async def evaluate(cfg: dict, client, agent_cls: type, tokenizer, rows: list[dic
         server = ChatServer()
         await server.start()
     try:
-        rewards = await asyncio.gather(*[one(r) for r in rows for _ in range(k)])
+        results = await asyncio.gather(*[one(r) for r in rows for _ in range(k)])
     finally:
         if own_server:
             await server.stop()
         if own_threads:
             threads.close()
+    rewards = [reward for reward, _ in results]
     by_row = [rewards[i * k:(i + 1) * k] for i in range(len(rows))]
+    keys = sorted({key for _, info in results for key in info})
     return {"eval/reward_mean": sum(rewards) / len(rewards),
-            f"eval/pass@{k}": sum(max(r) >= 1.0 for r in by_row) / len(by_row)}
+            f"eval/pass@{k}": sum(max(r) >= 1.0 for r in by_row) / len(by_row),
+            **{f"eval/info/{key}": sum(info.get(key, 0.0) for _, info in results) / len(results) for key in keys}}
 
 
 def eval_rows(cfg: dict, agent_cls: type) -> list[dict]:
@@ -254,7 +280,7 @@ async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, to
                 trajs = [json.loads(line) for line in replay[step].read_text().splitlines()]
                 groups = None
             else:
-                groups = await collect(pool, cfg, version - start["version"], first_step=not history)
+                groups = await collect(pool, cfg, version - start["version"], first_step=not history, policy=version)
                 # Shallow: Ray copies them anyway, and asdict's deep copy was 15% of the driver's time.
                 trajs = [dict(vars(t)) for g in groups for t in g["trajectories"]]
             t_gen = time.perf_counter() - t_step
@@ -366,6 +392,7 @@ def run_tagged(cfg: dict) -> dict:
         engines = None if cfg["replay_rollouts"] else start_engines(cfg)
         trainer = TrainerGroup(cfg)
         wait_ready(cfg, [*trainer.ready()] + ([a.warm_up.remote() for a in engines.actors] if engines else []))
+        say_threads(cfg, trainer, engines)
         if engines is not None:
             asyncio.run(engines.connect(trainer))
         if resume_from is not None:
@@ -408,6 +435,17 @@ def run_tagged(cfg: dict) -> dict:
     summary = logs.summarize(history, setup_s, time.perf_counter() - t0, out, final)
     print(summary["text"], file=sys.stderr if cfg["quiet"] else sys.stdout)
     return summary
+
+
+def say_threads(cfg: dict, trainer, engines) -> None:
+    """Say on stderr the threads each trainer rank and CPU engine computes with (parallel.cpu_threads)."""
+    import ray
+    ranks = ray.get([w.torch_threads.remote() for w in trainer.workers])
+    cpu_engines = [t for t in ray.get([a.omp_threads.remote() for a in engines.actors]) if t] if engines else []
+    how = ("async: trainer and engines compute at once, on shares of the cores" if cfg["async_depth"]
+           else "on-policy: each phase takes the cores while the other waits")
+    print(f"threads: trainer rank(s) {ranks} (torch)" + (f", engine(s) {cpu_engines} (OpenMP)" if cpu_engines else "")
+          + f"; {how}; override with --train_threads / --engine_threads", file=sys.stderr)
 
 
 def wait_ready(cfg: dict, refs: list):

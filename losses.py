@@ -8,16 +8,20 @@ per-token outputs are exactly 0 (value and gradient) where mask == 0. Log-ratios
 are clamped to [-MAX_LOG_RATIO, MAX_LOG_RATIO] before exp. Metrics are detached
 0-dim tensors (masked means over action tokens).
 
+To add a policy loss: write its function (like `ppo`) and add an entry to POLICY_LOSSES
+with its defaults and refusals; `--loss NAME` picks it, main.validate applies the entry, and
+the generic tests (tests/test_losses.py, tests/test_algorithms.py, tests/test_main.py) cover it.
+
 Test: python -m pytest -q tests/test_losses.py
 """
 
 import math
-from typing import Optional, Union
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor
 
-POLICY_LOSSES = ("ppo", "gspo", "cispo")
 LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 IS_LEVELS = ("off", "token", "seq", "geo")
 IS_MODES = ("mask", "reject", "clip", "trunc")
@@ -41,26 +45,79 @@ def _count(n: Count, like: Tensor) -> Tensor:
     return torch.as_tensor(n, dtype=torch.float32, device=like.device).clamp(min=1)
 
 
+def ppo(log_ratio: Tensor, logprobs: Tensor, A: Tensor, m: Tensor, lo: float, hi: float,
+        dual_clip: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+    """-min(r A, clip(r, lo, hi) A), r = exp(logp - old); dual_clip=c caps the loss at -c A for A < 0.
+    Returns (per-token loss, ratio, clipped) [B, T]."""
+    ratio = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))  # [B, T]
+    loss1 = -ratio * A
+    loss2 = -ratio.clamp(lo, hi) * A
+    loss = torch.maximum(loss1, loss2)
+    clipped = loss2 > loss1
+    if dual_clip is not None:
+        capped = (A < 0) & (loss > -dual_clip * A)
+        loss = torch.where(capped, -dual_clip * A, loss)
+        clipped = clipped | capped
+    return loss, ratio, clipped
+
+
+def gspo(log_ratio: Tensor, logprobs: Tensor, A: Tensor, m: Tensor, lo: float, hi: float,
+         dual_clip: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+    """PPO clipping on the GSPO-token ratio sg[s_i] * exp(logp - sg[logp]), where
+    s_i = exp(mean over row i's action tokens of (logp - old)): its value is s_i on every token
+    of the row, its gradient per token s_i * grad logp (GSPO, Zheng et al. 2025)."""
+    seq = log_ratio.detach().sum(1) / m.sum(1).clamp(min=1)  # [B] mean log-ratio per row
+    lp = torch.where(m, logprobs.float(), 0)
+    return ppo(seq[:, None] + lp - lp.detach(), logprobs, A, m, lo, hi, dual_clip)  # [B, T]
+
+
+def cispo(log_ratio: Tensor, logprobs: Tensor, A: Tensor, m: Tensor, lo: float, hi: float,
+          dual_clip: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+    """-sg[clip(r, lo, hi)] * A * logp (MiniMax-M1: lo = 0, the upper bound only); the gradient
+    flows only through logp, so clipped tokens keep theirs."""
+    ratio = torch.exp(log_ratio.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))  # [B, T] detached
+    loss = -ratio.clamp(lo, hi) * A * torch.where(m, logprobs.float(), 0)
+    return loss, ratio, (ratio < lo) | (ratio > hi)
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A policy loss and everything main.validate needs to know about it: the defaults a run
+    gets when a flag is not given, and why it refuses a flag (None: accepted)."""
+    fn: Callable[..., tuple[Tensor, Tensor, Tensor]]  # (log_ratio, logprobs, A, m, lo, hi, dual_clip)
+    eps_clip: tuple[Optional[float], float]  # default --eps_clip LOW HIGH (LOW None: no lower bound)
+    loss_agg: str = "token_mean"             # default --loss_agg
+    no_dual_clip: Optional[str] = None       # why --dual_clip is refused
+    no_cp: Optional[str] = None              # why --cp_size > 1 (rows split across ranks) is refused
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {
+    "ppo": PolicyLoss(ppo, eps_clip=(0.2, 0.2)),
+    # GSPO as published: the sequence-level objective averages rows (each row's tokens
+    # averaged), and its clip range is that of a geometric-mean ratio, 3e-4 / 4e-4.
+    "gspo": PolicyLoss(gspo, eps_clip=(3e-4, 4e-4), loss_agg="seq_mean_token_mean",
+                       no_cp="its sequence ratio needs each row whole on one rank"),
+    "cispo": PolicyLoss(cispo, eps_clip=(None, 0.2),
+                        no_dual_clip="dual_clip caps PPO's clipped objective; cispo has none to cap"),
+}
+
+
 def policy_loss(kind: str, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
                 eps_low: Optional[float] = 0.2, eps_high: float = 0.2,
                 dual_clip: Optional[float] = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """Per-token policy loss [B, T] (minimise it) and metrics. See POLICY_LOSSES.
-
-    ppo:   -min(r A, clip(r, 1-eps_low, 1+eps_high) A), r = exp(logp - old); dual_clip=c
-           caps the loss at -c A for A < 0.
-    gspo:  PPO clipping on the GSPO-token ratio sg[s_i] * exp(logp - sg[logp]) where
-           s_i = exp(mean over row i's action tokens of (logp - old)).
-    cispo: -sg[min(r, 1+eps_high)] * A * logp (MiniMax-M1: upper bound only); gradient only
-           through logp. eps_low (not None) adds the lower bound 1-eps_low; dual_clip is refused.
-    """
+    """Per-token policy loss [B, T] (minimise it) and metrics; `kind` names an entry of
+    POLICY_LOSSES (ppo, gspo, cispo: see their functions). The ratio's band is
+    [1 - eps_low, 1 + eps_high]; eps_low=None (only for a loss whose default has no lower
+    bound) leaves the lower bound out."""
     if kind not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {kind!r}; choices: {POLICY_LOSSES}")
+        raise ValueError(f"unknown policy loss {kind!r}; choices: {tuple(POLICY_LOSSES)}")
+    spec = POLICY_LOSSES[kind]
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
-    if kind == "cispo" and dual_clip is not None:
-        raise ValueError("dual_clip caps PPO's clipped objective; cispo has none to cap")
-    if kind != "cispo" and eps_low is None:
-        raise ValueError(f"{kind} needs eps_low (only cispo may leave the lower bound out)")
+    if dual_clip is not None and spec.no_dual_clip:
+        raise ValueError(spec.no_dual_clip)
+    if eps_low is None and spec.eps_clip[0] is not None:
+        raise ValueError(f"{kind} needs eps_low (only a loss without a default lower bound may leave it out)")
     m = mask.bool()
     A = advantages.float()
     # where() before anything else so padding (even -inf logprobs) cannot leak NaN into gradients.
@@ -68,27 +125,7 @@ def policy_loss(kind: str, logprobs: Tensor, old_logprobs: Tensor, advantages: T
     tok_lr = log_ratio.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     tok_ratio = torch.exp(tok_lr)  # [B, T] detached per-token ratio
     lo, hi = (0.0 if eps_low is None else 1.0 - eps_low), 1.0 + eps_high
-
-    if kind == "cispo":
-        w = tok_ratio.clamp(lo, hi)  # already detached
-        loss = -w * A * torch.where(m, logprobs.float(), 0)
-        clipped = (tok_ratio < lo) | (tok_ratio > hi)
-        ratio = tok_ratio
-    else:
-        if kind == "gspo":
-            seq = log_ratio.detach().sum(1) / m.sum(1).clamp(min=1)  # [B] mean log-ratio per row
-            lp = torch.where(m, logprobs.float(), 0)
-            # Value equals s_i on every token; d/dlogp_t is s_i (per-token gradient).
-            log_ratio = seq[:, None] + lp - lp.detach()  # [B, T]
-        ratio = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))  # [B, T]
-        loss1 = -ratio * A
-        loss2 = -ratio.clamp(lo, hi) * A
-        loss = torch.maximum(loss1, loss2)
-        clipped = loss2 > loss1
-        if dual_clip is not None:
-            capped = (A < 0) & (loss > -dual_clip * A)
-            loss = torch.where(capped, -dual_clip * A, loss)
-            clipped = clipped | capped
+    loss, ratio, clipped = spec.fn(log_ratio, logprobs, A, m, lo, hi, dual_clip)
     loss = torch.where(m, loss, 0)
     metrics = {
         "clip_frac": _mean(clipped.float(), m),
@@ -127,10 +164,11 @@ def is_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, *,
 
     ratio = exp(old_logprobs - rollout_logprobs) (trainer over sampler). level: off (weights
     = mask), token (gate on the per-token ratio), seq (on the per-row product), geo (on the
-    per-row geometric mean). mode: mask (IcePop: ratio * 1[low <= gate <= high], the per-token
-    ratio kept where the gate passes), reject (1[low <= gate <= high]: a pure rejection filter,
-    no reweighting), clip (clamp to [low, high]), trunc (min(ratio, high)). seq/geo gate whole
-    rows and accept mask or reject only.
+    per-row geometric mean). mode: mask (IcePop: min(ratio, high) * 1[low <= gate <= high], the
+    per-token ratio, bounded, kept where the gate passes), reject (1[low <= gate <= high]: a pure
+    rejection filter, no reweighting), clip (clamp to [low, high]), trunc (min(ratio, high)).
+    seq/geo gate whole rows and accept mask or reject only. is_filtered_frac: the share of
+    action tokens whose weight is not their ratio (zeroed by the gate, or bounded).
     """
     if level not in IS_LEVELS:
         raise ValueError(f"unknown IS level {level!r}; choices: {IS_LEVELS}")
@@ -157,7 +195,13 @@ def is_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, *,
                 gate = gate / m.sum(1, keepdim=True).clamp(min=1)
         # Compare in log space: a long sequence's summed log-ratio would overflow exp.
         accept = ((gate >= (math.log(low) if low > 0 else -math.inf)) & (gate <= math.log(high))).expand_as(m)
-        w, filtered = (ratio if mode == "mask" else 1.0) * accept.float(), ~accept
+        if mode == "mask":
+            # A kept row's tokens keep their own ratio, truncated at HIGH as in trunc: a row's
+            # product or geometric mean can pass the band while one token's ratio is far
+            # outside it. (At token level the gate already keeps every weight <= HIGH.)
+            w, filtered = ratio.clamp(max=high) * accept.float(), ~accept | (ratio > high)
+        else:
+            w, filtered = accept.float(), ~accept
     w = torch.where(m, w, 0)
     metrics = {
         "is_filtered_frac": _mean(filtered.float(), m),

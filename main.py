@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--engine_ep", action="store_true", help="expert parallelism inside each engine (MoE)")
     g.add_argument("--engine_max_seqs", type=int, default=1024, help="sequences one engine runs at once (vLLM's "
                    "max_num_seqs; its own default of 128 makes a 512-rollout step take four waves)")
+    g.add_argument("--engine_threads", type=int, default=None, help="OpenMP threads of each CPU engine (default: "
+                   "its node's cores, shared among the engines there; with --async_depth >= 1 a share beside the "
+                   "trainer ranks; said at start-up)")
     g.add_argument("--engine_dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="engine weights dtype (default: --param_dtype)")
     g.add_argument("--prefix_caching", action=argparse.BooleanOptionalAction, default=True,
@@ -150,16 +153,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--estimator", default="grpo", help=f"advantage estimator: {', '.join(estimators.ESTIMATORS)}")
     g.add_argument("--loss", default="ppo", help=f"policy loss: {', '.join(losses.POLICY_LOSSES)}")
     g.add_argument("--eps_clip", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
-                   help="clip range: ratio in [1-LOW, 1+HIGH] (default 0.2 0.2; cispo: upper bound 1+0.2 only, as in "
-                   "MiniMax-M1, and both bounds when given)")
+                   help="clip range: ratio in [1-LOW, 1+HIGH] (default: the loss's own, " + "; ".join(
+                       f"{name} {'no lower bound, HIGH' if s.eps_clip[0] is None else '%g' % s.eps_clip[0]} "
+                       f"{s.eps_clip[1]:g}" for name, s in losses.POLICY_LOSSES.items()) + ")")
     g.add_argument("--dual_clip", type=float, default=None, help="dual-clip bound c > 1 for negative advantages "
-                   "(ppo, gspo)")
+                   f"({', '.join(n for n, s in losses.POLICY_LOSSES.items() if not s.no_dual_clip)})")
     g.add_argument("--gamma", type=float, default=1.0, help="discount over action tokens")
     g.add_argument("--lam", type=float, default=1.0, help="GAE lambda")
-    g.add_argument("--loss_agg", default="token_mean", help=f"loss normalization: {', '.join(losses.LOSS_AGGS)} "
-                   "(token_mean divides by the action tokens of the whole optimizer step)")
+    g.add_argument("--loss_agg", default=None, help=f"loss normalization: {', '.join(losses.LOSS_AGGS)} "
+                   "(token_mean divides by the action tokens of the whole optimizer step; default: the loss's "
+                   f"own, {'; '.join(f'{n} {s.loss_agg}' for n, s in losses.POLICY_LOSSES.items())})")
     g.add_argument("--kl_coef", type=float, default=0.0, help="weight of the KL to the reference model "
-                   "(with on_policy_distill: of the reverse KL to the teacher)")
+                   f"(with {', '.join(n for n, s in estimators.ESTIMATORS.items() if s.teacher)}: of the reverse "
+                   "KL to the teacher)")
     g.add_argument("--kl_estimator", default=None, help=f"KL estimator: {', '.join(losses.KL_ESTIMATORS)} "
                    "(default k1 with --kl_in_reward, the only sound one there; k2 with --kl_loss, which also takes "
                    "k3: the gradient of KL(ref||pi))")
@@ -188,7 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--param_dtype", default="float32", choices=["float32", "bfloat16", "auto"],
                    help="trainer compute dtype and engine dtype (auto: bfloat16 on a GPU or a CPU with AMX/AVX512-BF16 "
                    "instructions, else float32; said at start-up)")
-    g.add_argument("--train_threads", type=int, default=None, help="torch threads in the trainer (default: torch's)")
+    g.add_argument("--train_threads", type=int, default=None, help="torch threads of each trainer rank (default on "
+                   "CPU: its node's cores, shared among the ranks there; with --async_depth >= 1 a share beside the "
+                   "engines; said at start-up)")
 
     g = p.add_argument_group("scale")
     g.add_argument("--train_workers", type=int, default=1, help="trainer ranks (Ray actors in one process group)")
@@ -252,24 +260,30 @@ def validate(cfg: dict) -> dict:
     need(cfg["mini_batches"] <= cfg["prompts_per_step"] * cfg["samples_per_prompt"],
          "--mini_batches cannot exceed the rollouts per step (prompts_per_step * samples_per_prompt)")
     need(cfg["async_depth"] >= 0, f"--async_depth must be >= 0, got {cfg['async_depth']}")
-    need(cfg["estimator"] not in estimators.GROUP_ESTIMATORS or cfg["samples_per_prompt"] > 1,
+    for k in ("train_threads", "engine_threads"):
+        need(cfg[k] is None or cfg[k] >= 1, f"--{k} must be >= 1, got {cfg[k]}")
+    # What an estimator or a loss needs, refuses and defaults to is declared in its entry
+    # (estimators.ESTIMATORS, losses.POLICY_LOSSES); the checks below read the entries.
+    est, loss = estimators.ESTIMATORS[cfg["estimator"]], losses.POLICY_LOSSES[cfg["loss"]]
+    need(not est.group or cfg["samples_per_prompt"] > 1,
          f"--estimator {cfg['estimator']} compares rollouts of the same prompt and needs --samples_per_prompt >= 2")
+    cfg["loss_agg"] = cfg["loss_agg"] or loss.loss_agg
     need(cfg["loss_agg"] in losses.LOSS_AGGS, f"--loss_agg {cfg['loss_agg']!r} is unknown; choose from {', '.join(losses.LOSS_AGGS)}")
     need(cfg["kl_estimator"] in (None, *losses.KL_ESTIMATORS),
          f"--kl_estimator {cfg['kl_estimator']!r} is unknown; choose from {', '.join(losses.KL_ESTIMATORS)}")
     need(cfg["kl_coef"] >= 0, "--kl_coef must be >= 0")
     need(not (cfg["kl_loss"] and cfg["kl_in_reward"]), "choose one of --kl_loss and --kl_in_reward, not both")
-    if cfg["estimator"] == "on_policy_distill":
+    if est.teacher:
         need(cfg["ref_model"] is not None and cfg["kl_coef"] > 0,
-             "--estimator on_policy_distill needs a teacher (--ref_model PATH) and --kl_coef > 0")
-        need(not (cfg["kl_loss"] or cfg["kl_in_reward"]), "on_policy_distill already uses the KL as its advantage; "
+             f"--estimator {cfg['estimator']} needs a teacher (--ref_model PATH) and --kl_coef > 0")
+        need(not (cfg["kl_loss"] or cfg["kl_in_reward"]), f"{cfg['estimator']} already uses the KL as its advantage; "
              "drop --kl_loss/--kl_in_reward")
     elif cfg["kl_coef"] > 0:
         need(cfg["kl_loss"] or cfg["kl_in_reward"], "--kl_coef > 0: say where the KL goes, --kl_loss or --kl_in_reward")
     else:
         need(not (cfg["kl_loss"] or cfg["kl_in_reward"]), "--kl_loss/--kl_in_reward need --kl_coef > 0")
-    need(not cfg["kl_in_reward"] or cfg["estimator"] in ("reinforce", "reinforce_pp", "reinforce_pp_baseline", "gae"),
-         f"--estimator {cfg['estimator']} normalizes a sequence reward; put the KL in the loss (--kl_loss)")
+    need(not cfg["kl_in_reward"] or not est.no_kl_in_reward,
+         f"--estimator {cfg['estimator']} {est.no_kl_in_reward}; put the KL in the loss (--kl_loss)")
     # Each KL estimator only where its expected gradient is a KL's gradient (losses.KL_PLACEMENTS).
     where = "reward" if cfg["kl_in_reward"] else "loss" if cfg["kl_loss"] else None
     if where is None:
@@ -283,18 +297,19 @@ def validate(cfg: dict) -> dict:
         need(cfg["kl_estimator"] in sound, f"--kl_estimator {cfg['kl_estimator']} with --kl_{'in_reward' if where == 'reward' else 'loss'}: "
              f"{why}; use {' or '.join(sound)}")
     need(cfg["reward_clip"] is None or cfg["reward_clip"] > 0, "--reward_clip must be > 0")
-    need(cfg["estimator"] == "gae" or (cfg["critic_model"] is None and cfg["critic_lr"] is None),
-         "--critic_model/--critic_lr only apply to --estimator gae")
+    need(est.critic or (cfg["critic_model"] is None and cfg["critic_lr"] is None),
+         "--critic_model/--critic_lr only apply to an estimator with a critic (--estimator "
+         f"{' or '.join(n for n, s in estimators.ESTIMATORS.items() if s.critic)})")
     need(cfg["temperature"] > 0, "--temperature must be > 0 (logprobs of greedy decoding are not a policy)")
     need(0 < cfg["top_p"] <= 1, "--top_p must be in (0, 1]")
     need(cfg["lr"] > 0, "--lr must be > 0")
     need(cfg["max_new_tokens"] < cfg["max_len"], "--max_new_tokens must be smaller than --max_len")
     need(cfg["agent_timeout"] > 0, "--agent_timeout must be > 0")
     need(cfg["dual_clip"] is None or cfg["dual_clip"] > 1, "--dual_clip must be > 1")
-    need(cfg["dual_clip"] is None or cfg["loss"] != "cispo", "--dual_clip caps PPO's clipped objective; "
-         "--loss cispo has none to cap: drop --dual_clip")
-    if cfg["eps_clip"] is None:  # CISPO keeps only the upper bound (MiniMax-M1) unless both are given
-        cfg["eps_clip"] = [None, 0.2] if cfg["loss"] == "cispo" else [0.2, 0.2]
+    need(cfg["dual_clip"] is None or not loss.no_dual_clip,
+         f"--dual_clip with --loss {cfg['loss']}: {loss.no_dual_clip}: drop --dual_clip")
+    if cfg["eps_clip"] is None:  # the loss's own (cispo: the upper bound only, as in MiniMax-M1)
+        cfg["eps_clip"] = list(loss.eps_clip)
     need(cfg["eps_clip"][0] is None or 0 <= cfg["eps_clip"][0] <= 1, "--eps_clip LOW must be in [0, 1]")
     need(cfg["eps_clip"][1] >= 0, "--eps_clip HIGH must be >= 0")
     need(cfg["top_p"] == 1 or cfg["is_level"] == "off", f"--top_p {cfg['top_p']} with IS correction: the engine's "
@@ -388,6 +403,12 @@ def validate(cfg: dict) -> dict:
     dims = parallel.ParallelDims(world_size=cfg["train_workers"], tp=cfg["tp_size"], cp=cfg["cp_size"], ep=cfg["ep_size"])
     model_cfg = AutoConfig.from_pretrained(cfg["model"])
     dims.check_model(model_cfg)
+    import trainer
+    dropout = trainer.dropout_fields(model_cfg)
+    if dropout:  # said, not refused: the trainer turns it off (trainer.without_dropout)
+        print(f"--model {Path(cfg['model']).name}: training with dropout off (the config has "
+              f"{', '.join(f'{k}={v:g}' for k, v in dropout.items())}): the engine samples without dropout, and "
+              "the trainer scores in eval mode", file=sys.stderr)
     moe = bool(getattr(model_cfg.get_text_config(), "num_experts", 0))
     need(moe or not (cfg["routing_replay"] or cfg["freeze_router"]),
          "--routing_replay/--freeze_router apply to mixture-of-experts models only")
@@ -412,7 +433,7 @@ def validate(cfg: dict) -> dict:
              "--ep_size must be 1")
     if cfg["cp_size"] > 1:
         need(not cfg["packing"], "--packing with --cp_size > 1 is not supported (CP splits padded rows)")
-        need(cfg["loss"] != "gspo", "--loss gspo needs whole sequences on one rank; not with --cp_size > 1")
+        need(not loss.no_cp, f"--loss {cfg['loss']} with --cp_size > 1: {loss.no_cp}")
         need(cfg["max_len"] % cfg["cp_size"] == 0,
              f"--max_len {cfg['max_len']} must be divisible by --cp_size {cfg['cp_size']} (each rank gets an equal chunk)")
     # end scale

@@ -10,7 +10,8 @@ process group is gloo, on GPU nccl; the code path is the same.
 Placement on a Ray cluster (`reserve`, `in_bundle`, `node_facts`, `gpu_shares`): the
 trainer ranks and the engines live in placement groups of their own; `node_facts` asks a
 trainer bundle's node for its IP, a free port and what it sees of --output_dir (trainer.TrainerGroup);
-an engine counts its node's cores itself (generator.cpu_engine_env).
+an engine counts its node's cores itself (generator.cpu_engine_env). `cpu_threads` says how many
+threads each trainer rank and each CPU engine computes with, from the cores of its node.
 
 Under TP the LM head is vocab-parallel: `vocab_parallel_logprobs` scores each rank's slice of
 the vocabulary, so the full [B, T, V] logits never exist on one rank.
@@ -165,6 +166,42 @@ def gpu_shares(cfg: dict, gpus: float) -> tuple[float, float]:
     raise ValueError(f"{cfg['train_workers']} trainer rank(s) + {engines} engine(s) x {per_engine} GPU(s) need {need} "
                      f"GPUs, the Ray cluster has {gpus:g}: add GPUs or lower --train_workers / --num_engines "
                      "(only one rank and one one-GPU engine share a GPU)")
+
+
+def node_cores() -> int:
+    """The cores this process may run on (its affinity: a container's or taskset's cpuset counts)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def one_node() -> bool:
+    """Whether the Ray cluster is one machine: then every trainer rank and engine shares its cores.
+    On several nodes each kind counts only its own peers on its node (they are placed apart)."""
+    import ray
+    return sum(bool(n["Alive"]) for n in ray.nodes()) == 1
+
+
+def cpu_threads(cores: int, trainers: int, engines: int, overlap: bool,
+                train_threads: int | None = None, engine_threads: int | None = None) -> tuple[int, int]:
+    """(torch threads of each trainer rank, OpenMP threads of each engine) on a CPU node of
+    `cores` cores that holds `trainers` trainer ranks and `engines` engines.
+
+    On-policy (`overlap` False) the phases take turns: the engines sleep while the trainer trains
+    and the trainer waits while they generate, so the ranks share every core of the node, and the
+    engines every core but one: the driver and the engines' Ray actors, which feed them requests,
+    are busy in that same phase (beside them a second OpenMP thread of the default task's engine
+    spins, 60% more engine CPU, and gains nothing). Async (`overlap`) both compute at once: the
+    cores are split between the kinds in proportion to their numbers, at least one each, the
+    engines' part again less one core, so busy threads never outnumber the cores (OpenMP threads
+    spin after each parallel region: two processes with two threads each on two cores wait for
+    each other's preempted threads). `--train_threads` and `--engine_threads` override either
+    number. Counts, never timings: the same on every machine with these cores."""
+    def share(n: int, among: int) -> int:
+        return max(1, n // max(among, 1))
+    train_cores = cores
+    if overlap and trainers and engines and cores > 1:
+        train_cores = min(cores - 1, max(1, round(cores * trainers / (trainers + engines))))
+    engine_cores = (cores - train_cores if train_cores < cores else cores) - 1   # one for the feeders
+    return train_threads or share(train_cores, trainers), engine_threads or share(engine_cores, engines)
 
 
 def in_bundle(pg, index: int) -> dict:

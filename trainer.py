@@ -78,7 +78,8 @@ def build_tiny_model(path: str, seed: int = 0) -> str:
 
 def needs_reference(cfg: dict) -> bool:
     """A frozen reference model is loaded only when something uses it."""
-    return cfg["estimator"] == "on_policy_distill" or (cfg["kl_coef"] > 0 and (cfg["kl_loss"] or cfg["kl_in_reward"]))
+    return (estimators.ESTIMATORS[cfg["estimator"]].teacher
+            or (cfg["kl_coef"] > 0 and (cfg["kl_loss"] or cfg["kl_in_reward"])))
 
 
 def collate(trajectories: list[dict], pad_id: int, multiple: int = 1) -> dict[str, torch.Tensor]:
@@ -134,6 +135,32 @@ def load_model(path: str) -> torch.nn.Module:
     return (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_pretrained(path, dtype=torch.float32)
 
 
+def dropout_fields(config) -> dict[str, float]:
+    """The config's non-zero dropout probabilities (its text/vision sub-configs too), by name."""
+    configs = [config, *(getattr(config, k) for k in ("text_config", "vision_config") if hasattr(config, k))]
+    return {k: v for c in configs for k, v in vars(c).items()
+            if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0}
+
+
+def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Dropout off in this in-memory model (an export keeps the checkpoint's config). The
+    trainer scores in eval() and trains in train(), and the engine never drops: with dropout
+    the first ratio would not be 1 and trainer and engine would disagree on every token."""
+    configs = [m.config for m in model.modules() if hasattr(m, "config")]
+    for c in {id(c): c for c in configs}.values():
+        for sub in (c, *(getattr(c, k) for k in ("text_config", "vision_config") if hasattr(c, k))):
+            for k in dropout_fields(sub):
+                setattr(sub, k, 0.0)
+    for m in model.modules():
+        if isinstance(m, (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
+                          torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)):
+            m.p = 0.0
+        for k, v in vars(m).items():  # e.g. attention modules' `attention_dropout`, read in forward
+            if "dropout" in k and isinstance(v, float):
+                setattr(m, k, 0.0)
+    return model
+
+
 class ValueModel(torch.nn.Module):
     """The critic for --estimator gae: the policy's backbone with a scalar head."""
 
@@ -165,13 +192,20 @@ class Trainer:
     ones padded with a zero-weight row so collectives never deadlock)."""
 
     def __init__(self, cfg: dict, rank: int = 0, world_size: int = 1,
-                 master_addr: str = "127.0.0.1", master_port: int = 0):
+                 master_addr: str = "127.0.0.1", master_port: int = 0,
+                 node: tuple[int, int, bool] | None = None):
         from transformers import AutoConfig, AutoTokenizer
 
         self.cfg = cfg
         torch.manual_seed(cfg["seed"])
-        if cfg.get("train_threads"):
-            torch.set_num_threads(cfg["train_threads"])
+        # node: (trainer ranks, engines on this rank's node, whether they overlap) from TrainerGroup:
+        # on CPU the rank's torch threads come from its node's cores (parallel.cpu_threads; a Ray
+        # actor would otherwise train with one, Ray's OMP_NUM_THREADS). In-process: torch's default.
+        threads = cfg.get("train_threads")
+        if node is not None and not torch.cuda.is_available():
+            threads = parallel.cpu_threads(parallel.node_cores(), *node, train_threads=threads)[0]
+        if threads:
+            torch.set_num_threads(threads)
         self.device = parallel.init_distributed(rank, world_size, master_addr,
                                                 master_port or parallel.free_port())
         self.dims = parallel.ParallelDims(world_size=world_size, tp=cfg.get("tp_size", 1),
@@ -195,7 +229,7 @@ class Trainer:
             count = vision.image_inputs(self.image_processor, [self.dummy_image])["counts"][0]
             self.dummy_image_ids = ([config.vision_start_token_id] + [config.image_token_id] * count
                                     + [config.vision_end_token_id])
-        model = load_model(cfg["model"])
+        model = without_dropout(load_model(cfg["model"]))
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         if cfg.get("freeze_router"):
             for gate in parallel.moe_gates(model):
@@ -210,11 +244,13 @@ class Trainer:
                                            weight_decay=cfg["weight_decay"], eps=1e-8)
         self.ref = None
         if needs_reference(cfg):
-            self.ref = self._shard(load_model(cfg["ref_model"] or cfg["model"]), routing_hooks=True)
+            # No routing hooks: the KL/distillation target is the reference's own distribution, with
+            # its own expert choices, never the policy's sampled routing (--routing_replay).
+            self.ref = self._shard(load_model(cfg["ref_model"] or cfg["model"]))
             self.ref.requires_grad_(False).eval()
         self.critic = self.critic_optimizer = None
-        if cfg["estimator"] == "gae":
-            self.critic = self._shard(ValueModel(cfg["critic_model"] or cfg["model"]))
+        if estimators.ESTIMATORS[cfg["estimator"]].critic:
+            self.critic = self._shard(without_dropout(ValueModel(cfg["critic_model"] or cfg["model"])))
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=cfg["critic_lr"] or cfg["lr"],
                                                       betas=(0.9, 0.99), weight_decay=cfg["weight_decay"])
         self.version = 0
@@ -323,7 +359,7 @@ class Trainer:
     def _forward(self, model, x: dict, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logprobs of the targets [b, T], entropy [b, T] or None) under `model`, on the grid."""
         b, n = x["targets"].shape
-        with parallel.routing(model, replay=x["replay"]):
+        with parallel.routing(model, replay=x["replay"] if model is self.model else None):  # the policy's only
             logits = model(**x["inputs"]).logits[:b, :n].float() / self.cfg["temperature"]   # [b, n, V or V/tp]
         if self.dims.tp > 1:  # vocab-parallel LM head: this rank's slice of the vocabulary
             lp, ent = parallel.vocab_parallel_logprobs(logits, x["targets"], self.vocab, self.dims.group("tp"), entropy)
@@ -388,7 +424,7 @@ class Trainer:
                                                 low=cfg["is_band"][0], high=cfg["is_band"][1])
         # KL enters the advantage for --kl_in_reward, and is the whole signal for distillation.
         kl, kl_coef = None, 0.0
-        if cfg["estimator"] == "on_policy_distill":
+        if estimators.ESTIMATORS[cfg["estimator"]].teacher:
             kl, kl_coef = old - ref, cfg["kl_coef"]             # reverse-KL log-ratio to the teacher
         elif cfg["kl_in_reward"]:
             kl, kl_coef = losses.kl(old, ref, cfg["kl_estimator"]), cfg["kl_coef"]
@@ -582,6 +618,9 @@ class Trainer:
     def get_version(self) -> int:
         return self.version
 
+    def torch_threads(self) -> int:
+        return torch.get_num_threads()
+
     # ---- checkpoints ------------------------------------------------------------------------
     def _ckpt_state(self) -> tuple[dict, dict]:
         """(what DCP saves/loads, the state dicts it views). MoE experts appear one entry per
@@ -707,9 +746,13 @@ class TrainerGroup:
                 Path(m).unlink(missing_ok=True)
         check_shared_storage(facts, markers)
         self.master = (facts[0]["ip"], facts[0]["port"])    # rank 0's node hosts the store
+        # Who shares each rank's node, for its CPU threads (parallel.cpu_threads).
+        nodes = [ray.util.placement_group_table(pg)["bundles_to_node_id"][i] for pg, i in self.slots]
+        engines = 0 if cfg.get("replay_rollouts") or not parallel.one_node() else cfg.get("num_engines", 1)
         remote = ray.remote(actor or Trainer)
         self.workers = [remote.options(num_cpus=1, num_gpus=gpus, **parallel.in_bundle(pg, i)).remote(
-                        cfg, rank, n, *self.master) for rank, (pg, i) in enumerate(self.slots)]
+                        cfg, rank, n, *self.master, node=(nodes.count(nodes[rank]), engines, cfg.get("async_depth", 0) > 0))
+                        for rank, (pg, i) in enumerate(self.slots)]
 
     def ready(self) -> list:
         return [w.get_version.remote() for w in self.workers]

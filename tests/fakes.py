@@ -1,7 +1,22 @@
 """Small fakes for unit isolation (every feature also has a real-engine test), and test helpers."""
 
 import asyncio
+import threading
 import time
+
+FLAGS: dict[str, threading.Event] = {}
+
+
+def flag(name: str) -> threading.Event:
+    """A named event shared by a test and the agent code it runs in this process (agents run
+    in the driver, on agent threads): an agent holds until the test's hook sets it."""
+    return FLAGS.setdefault(name, threading.Event())
+
+
+async def until(name: str):
+    """In agent code: wait (without blocking its thread) until flag `name` is set."""
+    while not flag(name).is_set():
+        await asyncio.sleep(0.01)
 
 
 class FakeEngine:

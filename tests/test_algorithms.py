@@ -4,6 +4,7 @@ Trajectories are made up (fixed token ids, made-up sampling logprobs), so no eng
 is needed; tests/test_loop.py runs the same options through the real loop."""
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,7 @@ from test_engine import trainer_cfg
 from trainer import Trainer
 
 import estimators
+import losses
 
 
 def _trajectories(n_groups=2, group_size=4):
@@ -26,11 +28,13 @@ def _trajectories(n_groups=2, group_size=4):
     return trajs
 
 
-CONFIGS = [{"estimator": name} for name in estimators.ESTIMATORS if name not in ("on_policy_distill",)] + [
-    {"estimator": "on_policy_distill", "kl_coef": 0.5, "ref_model": "TINY"},
+# Every estimator and every loss (by their entries: a new one is covered with no list to extend),
+# then options.
+CONFIGS = [{"estimator": name, **({"kl_coef": 0.5, "ref_model": "TINY"} if spec.teacher else {})}
+           for name, spec in estimators.ESTIMATORS.items()] + [
+    {"estimator": "grpo", "loss": name} for name in losses.POLICY_LOSSES] + [
     {"estimator": "reinforce_pp", "kl_coef": 0.1, "kl_in_reward": True},
     {"estimator": "grpo", "kl_coef": 0.1, "kl_loss": True, "kl_estimator": "k2"},
-    {"estimator": "grpo", "loss": "gspo", "eps_clip": [3e-4, 4e-4]},
     {"estimator": "grpo", "loss": "cispo", "eps_clip": [1.0, 4.0]},
     {"estimator": "dr_grpo", "loss_agg": "seq_mean_token_sum", "dual_clip": 3.0},
     {"estimator": "rloo", "loss_agg": "seq_mean_token_mean", "entropy_coef": 0.01},
@@ -47,7 +51,7 @@ def test_train_step_runs_and_reports_finite_metrics(tiny_model, overrides):
     assert t.version == 1
     assert all(math.isfinite(v) for v in metrics.values()), metrics
     assert metrics["optimizer_steps"] == 2
-    if overrides.get("estimator") == "gae":
+    if estimators.ESTIMATORS[overrides["estimator"]].critic:
         assert "value_loss" in metrics and "critic_grad_norm" in metrics
     if "kl_loss" in overrides:
         assert "kl_loss" in metrics and "ref_kl_k3" in metrics
@@ -59,7 +63,7 @@ def test_train_step_runs_and_reports_finite_metrics(tiny_model, overrides):
 # Plain SGD and no clipping (Adam and grad clipping hide a gradient's scale), so a weight
 # update is exactly -lr * gradient and can be checked against what the flags say.
 
-SIGNED = [name for name in estimators.ESTIMATORS if name != "on_policy_distill"]  # signed advantages from rewards
+SIGNED = [name for name, spec in estimators.ESTIMATORS.items() if not spec.teacher]  # signed advantages from rewards
 REWARDS = [1.0, -1.0, 0.5, -0.5]  # every estimator's advantage has the reward's sign (group mean 0)
 
 
@@ -97,7 +101,7 @@ def _sampled(trainer, trajs):
     return [[lp for lp, m in zip(row, t["mask"][1:]) if m] for row, t in zip(trainer.compute_logprobs(trajs), trajs)]
 
 
-@pytest.mark.parametrize("loss", ["ppo", "gspo", "cispo"])
+@pytest.mark.parametrize("loss", losses.POLICY_LOSSES)
 @pytest.mark.parametrize("estimator", SIGNED)
 def test_one_sgd_step_moves_logprobs_with_the_advantage(tiny_model, estimator, loss):
     """Sampled tokens of positive-advantage rollouts gain log-probability, those of negative ones
@@ -127,6 +131,24 @@ def test_is_mask_zeroes_out_of_band_tokens_and_weights_in_band_ones_by_their_rat
     in_band = deltas["row 0 at 0.8"] - deltas["row 0 out"]
     assert (in_band - 0.8 * row0).norm() < 1e-3 * row0.norm(), "an in-band token's gradient is scaled by its ratio"
     assert metrics["is_weight_mean"] == pytest.approx((0.8 * 2 + 14) / 16, abs=1e-4)
+
+
+def test_a_checkpoint_with_dropout_trains_with_dropout_off(tiny_model, tmp_path):
+    """Scoring runs in eval() and training in train(): a config's dropout would make the first
+    ratio differ from 1 (the engine never drops). The trainer turns it off, so at the trainer's
+    own logprobs every ratio of the first pass is 1 (nothing leaves a 1e-4 band), and an export
+    keeps the checkpoint's config."""
+    import json
+    import shutil
+    model = tmp_path / "dropout"
+    shutil.copytree(tiny_model, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.5}))
+    t = _sgd_trainer(str(model), eps_clip=[1e-4, 1e-4])
+    metrics = t.train_step(_signal_trajectories(t))
+    assert metrics["clip_frac"] == 0.0, "the first pass must score what it trains: ratio 1"
+    assert abs(metrics["is_weight_mean"] - 1.0) < 1e-5
+    assert json.loads((Path(t.export(str(tmp_path / "export"))) / "config.json").read_text())["attention_dropout"] == 0.5
 
 
 def _two_epochs(model, loss, eps, epochs):

@@ -39,12 +39,13 @@ class Probe:
 
     weight_sync_address = trainer.Trainer.weight_sync_address
 
-    def __init__(self, cfg, rank, world, master_addr, master_port):
+    def __init__(self, cfg, rank, world, master_addr, master_port, node=None):
         self.seen = (rank, master_addr, master_port)
+        self.node = node
 
     def where(self):
         import ray
-        return (*self.seen, ray.util.get_node_ip_address())
+        return (*self.seen, ray.util.get_node_ip_address(), self.node)
 
 
 def test_rendezvous_is_on_rank_0s_node(cluster, tmp_path, monkeypatch):
@@ -68,6 +69,8 @@ def test_rendezvous_is_on_rank_0s_node(cluster, tmp_path, monkeypatch):
             assert {s[3] for s in seen} == {TRAINER_IP}, "ranks run on the trainer node"
             assert {s[1] for s in seen} == {TRAINER_IP} != {driver_ip}, "MASTER_ADDR is rank 0's node"
             assert len({s[2] for s in seen}) == 1
+            # CPU threads: both ranks share the trainer node; on several nodes the engines count as elsewhere
+            assert [s[4] for s in seen] == [(2, 0, False)] * 2
             host, _ = ray.get(group.call("weight_sync_address"))
             assert host == TRAINER_IP, "the weight-broadcast store is on rank 0's node too"
             assert not list((tmp_path / "out").glob(".molt-visible-*")), "markers are removed"
@@ -79,19 +82,56 @@ def test_rendezvous_is_on_rank_0s_node(cluster, tmp_path, monkeypatch):
         ray.shutdown()
 
 
+def test_cpu_threads_give_each_phase_the_cores_the_other_leaves():
+    threads = parallel.cpu_threads   # (cores, trainer ranks, engines, overlap) -> (per rank, per engine)
+    assert threads(2, 1, 1, False) == (2, 1)      # on-policy: the phases take turns; the engine leaves its feeders one
+    assert threads(16, 2, 2, False) == (8, 7)     # ranks (and engines) share the node among their own kind
+    assert threads(2, 1, 1, True) == (1, 1)       # async: both busy at once, never more threads than cores
+    assert threads(16, 1, 1, True) == (8, 7)
+    assert threads(16, 2, 2, True) == (4, 3) and threads(12, 3, 1, True) == (3, 2)   # split by their numbers
+    assert threads(1, 1, 1, True) == (1, 1) and threads(3, 2, 2, True) == (1, 1)     # at least one each
+    assert threads(8, 1, 0, True)[0] == 8 and threads(8, 0, 2, True)[1] == 3         # the other kind is elsewhere
+    assert threads(2, 1, 1, True, train_threads=2) == (2, 1)                          # the flags override
+    assert threads(2, 1, 1, False, engine_threads=2) == (2, 2)
+
+
 def test_cpu_engine_env_counts_each_nodes_cores():
-    env = generator.cpu_engine_env
+    env = generator.cpu_engine_env   # (nodes, i, trainers on i's node, overlap, --engine_threads, cores)
     uni = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # one rank: the worker in the engine-core process
-    assert env(["a"], 0, 8) == {**uni, "OMP_NUM_THREADS": "7"}      # alone: all cores but one
-    assert env(["a"], 0, 1) == {**uni, "OMP_NUM_THREADS": "1"}
-    nodes = ["a", "b", "a"]   # engine 1 alone on node b (2 cores), engines 0 and 2 share a (8 cores)
-    assert env(nodes, 0, 8) == {**uni, "OMP_NUM_THREADS": "4", "OMP_PLACES": "{0,1,2,3}", "OMP_PROC_BIND": "true"}
-    assert env(nodes, 2, 8)["OMP_PLACES"] == "{4,5,6,7}" and env(nodes, 1, 2) == {**uni, "OMP_NUM_THREADS": "1"}
-    assert [env(["a"] * 3, i, 2)["OMP_PLACES"] for i in range(3)] == ["{0}", "{1}", "{0}"]  # more engines than cores
+    assert env(["a"], 0, 1, False, cores=8) == {**uni, "OMP_NUM_THREADS": "7"}   # alone, on-policy: all but one
+    assert env(["a"], 0, 1, True, cores=8) == {**uni, "OMP_NUM_THREADS": "3"}    # async: beside the trainer
+    assert env(["a"], 0, 1, True, 2, cores=8) == {**uni, "OMP_NUM_THREADS": "2"}  # --engine_threads
+    assert env(["a"], 0, 0, False, cores=1) == {**uni, "OMP_NUM_THREADS": "1"}
+    nodes = ["a", "b", "a"]   # engine 1 alone on node b (2 cores), engines 0 and 2 share a (9 cores)
+    assert env(nodes, 0, 0, False, cores=9) == {**uni, "OMP_NUM_THREADS": "4", "OMP_PLACES": "{0,1,2,3}",
+                                                "OMP_PROC_BIND": "true"}
+    assert env(nodes, 2, 0, False, cores=9)["OMP_PLACES"] == "{4,5,6,7}"
+    assert env(nodes, 1, 0, False, cores=2) == {**uni, "OMP_NUM_THREADS": "1"}
+    assert [env(["a"] * 3, i, 0, False, cores=2)["OMP_PLACES"] for i in range(3)] == ["{0}", "{1}", "{0}"]
     # tensor parallel: vLLM's multiprocess executor binds its ranks within the engine's cores
-    assert [env(["a", "a"], i, 8, tp_size=2) for i in range(2)] == [{"VLLM_CPU_OMP_THREADS_BIND": "0-3"},
-                                                                  {"VLLM_CPU_OMP_THREADS_BIND": "4-7"}]
-    assert env(["a"], 0, 8, tp_size=2) == {}
+    assert [env(["a", "a"], i, 0, False, cores=9, tp_size=2) for i in range(2)] == [
+        {"VLLM_CPU_OMP_THREADS_BIND": "0-3"}, {"VLLM_CPU_OMP_THREADS_BIND": "4-7"}]
+    assert env(["a"], 0, 0, False, cores=8, tp_size=2) == {}
+
+
+def test_trainer_actor_trains_with_the_threads_chosen(tiny_model, tmp_path):
+    """Through the real trainer actor: torch's threads inside it are the ones cpu_threads chose from
+    this node's cores (not Ray's OMP_NUM_THREADS=1 for an actor), on-policy and async, and the flag wins."""
+    import ray
+    import main
+    cores = parallel.node_cores()
+    ray.init(num_cpus=4, include_dashboard=False)
+    try:
+        groups = {}
+        for flags in ([], ["--async_depth", "1", "--is_level", "token"], ["--train_threads", "3"]):
+            cfg = main.validate(vars(main.build_parser().parse_args(
+                ["--model", tiny_model, "--output_dir", str(tmp_path / "out"), *flags])))
+            groups[" ".join(flags)] = (cfg, trainer.TrainerGroup(cfg))
+        for flags, (cfg, group) in groups.items():
+            want = 3 if cfg["train_threads"] else parallel.cpu_threads(cores, 1, 1, cfg["async_depth"] > 0)[0]
+            assert ray.get(group.workers[0].torch_threads.remote()) == want, flags
+    finally:
+        ray.shutdown()
 
 
 def test_output_dir_on_one_node_only_is_refused():

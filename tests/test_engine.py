@@ -4,6 +4,7 @@ One engine serves the whole module (start-up is ~15 s on CPU); one event loop
 drives it, since vLLM's async engine binds to the loop it first runs on."""
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -229,12 +230,14 @@ def test_cancelled_request_is_aborted_in_the_engine(engine, loop, tiny_tokenizer
 
     async def scenario():
         task = asyncio.create_task(engine.generate(prompt, {"temperature": 1.0, "max_tokens": 400, "ignore_eos": True}))
-        await asyncio.sleep(0.2)
+        await tokens_out(engine, 1)   # generating (399 tokens to go), not a fixed sleep
         assert engine.engine.get_num_unfinished_requests() == 1
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await asyncio.sleep(0.2)
+        deadline = time.monotonic() + 60   # a guard against a hang: the abort reaches the engine core
+        while engine.engine.get_num_unfinished_requests() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         return engine.engine.get_num_unfinished_requests()
     assert loop.run_until_complete(scenario()) == 0
 

@@ -1,7 +1,6 @@
 """generator.Engines: sticky sessions and least-loaded routing (fake actors, no vLLM)."""
 
 import asyncio
-import time
 
 import pytest
 
@@ -75,7 +74,9 @@ class ScriptedEngine:
                          else (rid, {"token_ids": [ids[0]]}, None)])
 
 
-def run_requests(engine, firsts, cancel_after=None):
+def run_requests(engine, firsts, cancel_when=None):
+    """Send requests (first ids `firsts`); with `cancel_when`, cancel the first request as soon
+    as cancel_when() is true (checked each loop iteration, from right after they are queued)."""
     engines = Engines([engine])
 
     async def one(k):
@@ -83,8 +84,10 @@ def run_requests(engine, firsts, cancel_after=None):
 
     async def go():
         tasks = [asyncio.ensure_future(one(k)) for k in firsts]
-        if cancel_after is not None:
-            await asyncio.sleep(cancel_after)
+        if cancel_when is not None:
+            await asyncio.sleep(0)   # the requests are queued (in the batch window), none sent
+            while not cancel_when():
+                await asyncio.sleep(0)
             tasks[0].cancel()
         return await asyncio.gather(*tasks, return_exceptions=True), engines
     return asyncio.run(go())
@@ -112,10 +115,10 @@ def test_a_dead_engine_fails_every_request_of_its_batch():
 
 def test_cancelling_a_request_unsends_it_or_cancels_it_in_the_engine():
     engine = ScriptedEngine()
-    out, engines = run_requests(engine, range(3), cancel_after=0)        # still in the batch window
+    out, engines = run_requests(engine, range(3), cancel_when=lambda: True)   # still in the batch window
     assert isinstance(out[0], asyncio.CancelledError) and engine.batches == [[1, 2]] and engine.cancelled == []
     engine = ScriptedEngine()
-    out, engines = run_requests(engine, range(3), cancel_after=generator.BATCH_WINDOW_S + 0.003)  # sent
+    out, engines = run_requests(engine, range(3), cancel_when=lambda: engine.batches)  # sent, not answered
     assert isinstance(out[0], asyncio.CancelledError) and engine.batches == [[0, 1, 2]]
     assert engine.cancelled == ["q0"] and out[1:] == [[1], [2]] and engines.load == [0]
 
@@ -150,11 +153,10 @@ def test_a_weight_update_fails_at_once_when_one_side_of_the_broadcast_dies():
         engines = Engines([Engine(False), Engine(engine_fails)], broadcast=True)
         return await asyncio.wait_for(engines.update_weights(Trainer(trainer_fails), 1), 5.0)
 
+    # (Had it waited for the blocked peers, wait_for would raise TimeoutError, not their error.)
     for trainer_fails, engine_fails, who in ((False, True, "engine 1"), (True, False, "trainer rank 0")):
-        t0 = time.perf_counter()
         with pytest.raises(ConnectionError, match=who):
             asyncio.run(update(trainer_fails, engine_fails))
-        assert time.perf_counter() - t0 < 1.0
 
 
 def test_the_version_is_asked_once_then_follows_weight_updates():

@@ -176,24 +176,73 @@ def test_group_stats():
     close(n, [2, 2, 2, 1])
 
 
-def test_group_estimator_set():
-    assert GROUP_ESTIMATORS == {"reinforce_pp_baseline", "rloo", "grpo", "dr_grpo"}
-    assert GROUP_ESTIMATORS <= set(ESTIMATORS)
+# ---------------------------------------------------------------- every estimator by its entry
+# These run over ESTIMATORS: a new estimator is covered with no list to extend, and what its
+# entry declares (estimators.Spec) is checked against what its function does.
+
+def _inputs(name, seed=0, B=6, T=7):
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(B, T, generator=g) > 0.4).float()
+    mask[:, 0] = 1.0  # every row has an action token
+    kw = dict(values=torch.randn(B, T, generator=g), gamma=0.9, lam=0.95)
+    if ESTIMATORS[name].no_kl_in_reward is None:
+        kw.update(kl=torch.randn(B, T, generator=g), kl_coef=0.1)
+    return torch.randn(B, generator=g), mask, kw
 
 
 @pytest.mark.parametrize("name", sorted(ESTIMATORS))
 def test_every_estimator_shape_dtype_and_mask(name):
-    g = torch.Generator().manual_seed(0)
-    B, T = 6, 7
-    mask = (torch.rand(B, T, generator=g) > 0.4).to(torch.bfloat16)
-    kw = dict(values=torch.randn(B, T, generator=g), gamma=0.9, lam=0.95)
-    if name not in ("rloo", "grpo", "dr_grpo"):
-        kw.update(kl=torch.randn(B, T, generator=g).bfloat16(), kl_coef=0.1)
-    adv, ret = ESTIMATORS[name](torch.randn(B, generator=g).bfloat16(), mask, ids([0, 0, 0, 1, 1, 2]), **kw)
+    rewards, mask, kw = _inputs(name)
+    kw = {k: v.bfloat16() if torch.is_tensor(v) else v for k, v in kw.items()}
+    adv, ret = ESTIMATORS[name](rewards.bfloat16(), mask.bfloat16(), ids([0, 0, 0, 1, 1, 2]), **kw)
     for x in (adv, ret):
-        assert x.shape == (B, T) and x.dtype == torch.float32
+        assert x.shape == mask.shape and x.dtype == torch.float32
         assert torch.isfinite(x).all()
         assert (x[mask == 0] == 0).all()
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_group_estimators_are_exactly_those_a_lone_rollout_gives_no_signal(name):
+    """`group` (needs --samples_per_prompt >= 2) holds exactly when groups of one rollout get
+    all-zero advantages: the estimator compares rollouts of one prompt. (No KL-in-reward here:
+    a per-token penalty is signal of its own; a teacher's KL is its whole signal.)"""
+    rewards, mask, kw = _inputs(name)
+    if not ESTIMATORS[name].teacher:
+        kw.pop("kl", None), kw.pop("kl_coef", None)
+    adv, _ = ESTIMATORS[name](rewards, mask, ids(range(6)), **kw)
+    assert ESTIMATORS[name].group == bool((adv == 0).all())
+    assert GROUP_ESTIMATORS == {n for n, spec in ESTIMATORS.items() if spec.group}
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_kl_in_reward_is_used_or_refused_as_declared(name):
+    rewards, mask, kw = _inputs(name)
+    grp, kl = ids([0, 0, 0, 1, 1, 2]), torch.randn(mask.shape, generator=torch.Generator().manual_seed(1))
+    if ESTIMATORS[name].no_kl_in_reward:
+        with pytest.raises(ValueError, match="does not support KL-in-reward"):
+            ESTIMATORS[name](rewards, mask, grp, **kw, kl=kl, kl_coef=0.1)
+    else:
+        a, _ = ESTIMATORS[name](rewards, mask, grp, **kw)
+        b, _ = ESTIMATORS[name](rewards, mask, grp, **{**kw, "kl": kw["kl"] + kl})
+        assert not torch.equal(a, b), "the KL must reach the advantages"
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_critic_and_teacher_are_what_the_estimator_uses(name):
+    """critic: the advantages need and use the critic's values; teacher: they are
+    -kl_coef * (log pi - log pi_teacher) whatever the rewards; neither: rewards move them."""
+    spec, (rewards, mask, kw) = ESTIMATORS[name], _inputs(name)
+    grp = ids([0, 0, 0, 1, 1, 2])
+    adv, _ = ESTIMATORS[name](rewards, mask, grp, **kw)
+    other_values, _ = ESTIMATORS[name](rewards, mask, grp, **{**kw, "values": kw["values"] + 1.0})
+    assert spec.critic == (not torch.equal(adv, other_values))
+    if spec.critic:
+        with pytest.raises(ValueError, match="needs critic values"):
+            ESTIMATORS[name](rewards, mask, grp, **{**kw, "values": None})
+    other_rewards, _ = ESTIMATORS[name](rewards * 3 + 1, mask, grp, **kw)
+    assert spec.teacher == torch.equal(adv, other_rewards)
+    if spec.teacher:
+        close(adv, (-kw["kl_coef"] * kw["kl"] * mask).tolist())
 
 
 def test_errors():

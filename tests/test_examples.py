@@ -100,6 +100,91 @@ def test_sandbox_runs_code_within_limits():
     assert env == "[]\n"
 
 
+def _procs_with(marker: str) -> list[str]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:   # the process ended while we looked
+            continue
+        if marker in text:
+            found.append(text)
+    return found
+
+
+def test_sandbox_holds_against_hostile_snippets(tmp_path):
+    """Each escape a reward-seeking policy could try: read the project, write outside the
+    sandbox's own /tmp, leave a process behind, kill the process that runs the agent or
+    any other of the machine's, and who it runs as."""
+    import os
+    import subprocess
+    import sys
+    import uuid
+    _, module = load("python_tool.py")
+    root = Path(__file__).resolve().parents[1]
+    secret = tmp_path / "answers.txt"
+    secret.write_text("42")
+    marker = f"molt-leftover-{uuid.uuid4().hex}"
+    escape = f"/tmp/molt-escape-{uuid.uuid4().hex}"
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    snippets = {
+        "read": f"for p in {[str(root / 'README.md'), str(secret)]!r}:\n"
+                "    try:\n        print(len(open(p).read()))\n    except OSError as e:\n        print(type(e).__name__)",
+        "listing": "import os\nprint(sorted(os.listdir('/')))",
+        "home": f"import os\nprint(os.listdir({str(Path.home())!r}) if os.path.isdir({str(Path.home())!r}) else [])",
+        "write": f"for p in {[escape, str(tmp_path / 'planted'), str(root / 'planted'), '/usr/planted']!r}:\n"
+                 "    try:\n        open(p, 'w').write('x')\n        print('WROTE', p)\n"
+                 "    except OSError as e:\n        print(type(e).__name__)\n"
+                 "open('/tmp/own.txt', 'w').write('ok')\nprint(open('/tmp/own.txt').read())",
+        "leftover": "import subprocess, sys\n"
+                    f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', {marker!r}], "
+                    "start_new_session=True)\nprint('spawned')",
+        "parent": "import os\ntry:\n    os.kill(os.getppid(), 9)\nexcept OSError as e:\n    print(type(e).__name__)\n"
+                  "print('still here')",
+        "victim": f"import os\ntry:\n    os.kill({victim.pid}, 9)\nexcept OSError as e:\n    print(type(e).__name__)",
+        "whoami": "import os\nprint(os.getuid(), os.getpid())",
+    }
+
+    async def run_all():
+        return dict(zip(snippets, await asyncio.gather(*[module.run_python(c) for c in snippets.values()])))
+    try:
+        out = asyncio.run(run_all())
+        assert victim.poll() is None, "a snippet killed a process outside its sandbox"
+    finally:
+        victim.kill()
+        victim.wait()
+    assert out["read"].split() == ["FileNotFoundError"] * 2   # the project and its data
+    assert root.parts[1] not in out["listing"]
+    # of the home folder, at most the way to a Python install under it (pyenv's)
+    assert set(eval(out["home"])) <= {Path(sys.base_prefix).relative_to(Path.home()).parts[0]
+                                      if Path(sys.base_prefix).is_relative_to(Path.home()) else None}
+    # its /tmp is its own (the host's /tmp gets nothing); nowhere else is writable
+    assert out["write"].split("\n", 1) == [f"WROTE {escape}", "FileNotFoundError\nFileNotFoundError\nOSError\nok\n"]
+    assert not Path(escape).exists() and not (tmp_path / "planted").exists() and not (root / "planted").exists()
+    assert out["leftover"] == "spawned\n"
+    assert _procs_with(marker) == []   # start_new_session did not take it out of the PID namespace
+    assert out["parent"] == "PermissionError\nstill here\n"
+    assert out["victim"] == "ProcessLookupError\n"   # no process outside the namespace is even visible
+    uid, pid = out["whoami"].split()
+    assert pid == "2" and uid == ("65534" if os.geteuid() == 0 else str(os.geteuid()))
+
+
+def test_sandbox_refuses_to_run_unconfined(tmp_path, monkeypatch):
+    """No namespaces (here: an `unshare` that is refused them, or none at all): the snippet
+    does not run, and the error says why."""
+    import os
+    _, module = load("python_tool.py")
+    (tmp_path / "unshare").write_text("#!/bin/sh\necho 'unshare: unshare failed: Operation not permitted' >&2\n"
+                                      "exit 1\n")
+    (tmp_path / "unshare").chmod(0o755)
+    monkeypatch.setattr(os, "defpath", str(tmp_path))
+    with pytest.raises(module.SandboxError, match="could not start.*Operation not permitted"):
+        asyncio.run(module.run_python("print('UNCONFINED')"))
+    monkeypatch.setattr(os, "defpath", str(tmp_path / "empty"))
+    with pytest.raises(module.SandboxError, match="needs util-linux `unshare`"):
+        asyncio.run(module.run_python("print('UNCONFINED')"))
+
+
 def test_python_tool_env_runs_code_then_answers():
     tok = smol_tokenizer()
     cls, module = load("python_tool.py")

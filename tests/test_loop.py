@@ -7,6 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import estimators
+import fakes
 import main
 
 FLAKY_AGENT = '''
@@ -108,29 +110,133 @@ def test_async_partial_rollout_checkpoint_resume_and_replay(tiny_model, tmp_path
     assert summary["steps"] == 2
 
 
-LONG_AGENT = '''
+ROWS = """
+    @classmethod
+    def prompts(cls, seed):
+        for i in itertools.count():
+            a, b = i % 10, (i * 7 + 3) % 10
+            yield {"prompt": f"{a}?{b}=", "label": str(max(a, b)), "index": i}
+"""
+
+
+def _hooks(monkeypatch, before_update=None):
+    """Observe the real loop, without changing it: flag "version N" once weights N are in the
+    engines, and "group 0 finished" once group 0 is in the pool's queue of finished groups.
+    `before_update(engines, version)` runs before each weight update."""
+    import generator
+    import loop
+    fakes.FLAGS.clear()
+    update, finished = generator.Engines.update_weights, loop.RolloutPool._finished
+
+    async def update_weights(self, trainer, version):
+        if before_update is not None:
+            await before_update(self, version)
+        out = await update(self, trainer, version)
+        fakes.flag(f"version {version}").set()
+        return out
+
+    def _finished(self, task):
+        finished(self, task)
+        if not task.cancelled() and task.exception() is None and task.result()["group"] == 0:
+            fakes.flag("group 0 finished").set()
+    monkeypatch.setattr(generator.Engines, "update_weights", update_weights)
+    monkeypatch.setattr(loop.RolloutPool, "_finished", _finished)
+
+
+def _dumped(dump):
+    """Each step's trajectories, in step order (step s trains policy version s in a fresh run)."""
+    return [[json.loads(l) for l in f.read_text().splitlines()] for f in sorted(dump.glob("step_*.jsonl"))]
+
+
+def _sampled_versions(t):
+    return [v for v, m in zip(t["versions"], t["mask"]) if m]
+
+
+SLOW_AGENT = """
+import asyncio, itertools
+import fakes
+from agent import Env, Result
+
+class SlowTool(Env):
+    \"\"\"Row 0's rollouts wait in their tool call until policy 3 is in the engine, 3 versions after
+    they sampled; rows after 3 * 2 (the rows steps 1-3 train) wait until row 0's group has
+    finished, so that it is the first group step 4 takes.\"\"\"
+""" + ROWS + """
+    async def step(self, state):
+        i = state.row["index"]
+        if i == 0:
+            await fakes.until("version 3")
+        elif i > 3 * 2:
+            await fakes.until("group 0 finished")
+        return Result(reward=float(state.action == state.label) + len(state.action) / 3)
+"""
+
+
+def test_a_slow_group_is_dropped_at_consumption_when_its_tokens_are_too_stale(tiny_model, tmp_path, monkeypatch):
+    """--async_depth 1 bounds staleness where it matters: a group that finishes 3 versions after
+    it sampled (a slow tool; arranged by flags, not by timing) is dropped when it would be
+    trained, and counted: no trained token is more than 1 version older than its policy."""
+    _hooks(monkeypatch)
+    agent, dump = tmp_path / "slow.py", tmp_path / "dump"
+    agent.write_text(SLOW_AGENT)
+    main.main(["--model", tiny_model, "--agent", str(agent), "--output_dir", str(tmp_path / "run"), "--quiet",
+               "--prompts_per_step", "2", "--samples_per_prompt", "2", "--max_new_tokens", "3",
+               "--steps", "5", "--async_depth", "1", "--export_hf", "none", "--no_plot", "--dump_rollouts", str(dump)])
+    lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = _dumped(dump)
+    assert len(steps) == 5
+    for policy, trajs in enumerate(steps):
+        assert all(policy - v <= 1 for t in trajs for v in _sampled_versions(t)), f"step {policy + 1}"
+    assert [m.get("dropped/stale", 0) for m in lines] == [0, 0, 0, 2, 2]   # row 0's 2 rollouts, at step 4
+    assert all(t["group"] != 0 for trajs in steps for t in trajs)
+
+
+LONG_AGENT = """
+import asyncio, itertools
+import fakes
 from agent import Env, Result
 
 class Long(Env):
-    """Two turns; the second samples 120 tokens, so requests are in flight at weight updates."""
+    \"\"\"Row 0 answers its first turn only once the first weight update has begun, with a second
+    turn of 200 tokens: that request is in flight at the update (the test's hook lets the update
+    go on once it has tokens out). Rows started after the update (from 2 * 4) wait until row
+    0's group has finished, so that it trains at the next step.\"\"\"
     max_turns = 2
-
-    @classmethod
-    def prompts(cls, seed):
-        while True:
-            yield {"prompt": "3?7=", "label": "7"}
-
+""" + ROWS + """
     async def step(self, state):
-        if state.turn == 0:
+        i = state.row["index"]
+        if i == 0 and state.turn == 0:
+            await fakes.until("updating")
             return Result(reward=0.0, observation="1", terminated=False,
-                          sampling_params={"max_tokens": 120, "ignore_eos": True})
+                          sampling_params={"max_tokens": 200, "ignore_eos": True})
+        if i >= 2 * 4:
+            await fakes.until("group 0 finished")
         return Result(reward=float(state.action.count("7")))
-'''
+"""
 
 
-def test_partial_rollout_trains_tokens_of_two_policy_versions(tiny_model, tmp_path):
-    """Async + partial rollout really happens: trained tokens are stale, and some trajectory
-    holds tokens of two policy versions (paused, reloaded, resumed mid-request)."""
+async def _update_mid_request(engines, version):
+    """Before the first update: release row 0, then wait until its long request has tokens out."""
+    import asyncio
+    import time
+    if version != 1:
+        return
+    fakes.flag("updating").set()
+    # Run in the engine actor (a local function: shipped by value): some request has more
+    # tokens out than a normal turn's 3.
+    long_request_out = lambda gen: any(s.detokenizer.num_output_tokens() >= 4   # noqa: E731
+                                       for s in list(gen.engine.output_processor.request_states.values()))
+    deadline = time.monotonic() + 120   # a guard against a hang, not a timing condition
+    while not await engines.actors[0].__ray_call__.remote(long_request_out):
+        assert time.monotonic() < deadline, "row 0's long request never produced tokens"
+        await asyncio.sleep(0.01)
+
+
+def test_partial_rollout_trains_tokens_of_two_policy_versions(tiny_model, tmp_path, monkeypatch):
+    """Async + partial rollout really happens: a request in flight at a weight update (arranged:
+    the update waits for its first tokens, and it has ~196 more to go) is paused, reloaded and
+    resumed, so its trajectory holds tokens of two policy versions, trained at the next step."""
+    _hooks(monkeypatch, before_update=_update_mid_request)
     agent, dump = tmp_path / "long.py", tmp_path / "dump"
     agent.write_text(LONG_AGENT)
     main.main(["--model", tiny_model, "--agent", str(agent), "--output_dir", str(tmp_path / "run"), *SMALL,
@@ -138,24 +244,27 @@ def test_partial_rollout_trains_tokens_of_two_policy_versions(tiny_model, tmp_pa
                "--dump_rollouts", str(dump)])
     lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert max(m["staleness"] for m in lines) > 0
-    trajs = [json.loads(l) for f in sorted(dump.glob("step_*.jsonl")) for l in f.read_text().splitlines()]
-    spans = [t for t in trajs if len({v for v, m in zip(t["versions"], t["mask"]) if m}) > 1]
-    assert spans, "no trajectory spans a weight update"
-    sampled = [[v for v, m in zip(t["versions"], t["mask"]) if m] for t in spans]
-    assert all(v == sorted(v) for v in sampled)  # versions only grow along a sequence
+    steps = _dumped(dump)
+    held = [_sampled_versions(t) for t in steps[1] if t["group"] == 0]
+    assert len(held) == 4, "row 0's group trains at step 2"
+    spans = [v for v in held if set(v) == {0, 1}]
+    assert spans, "no trajectory spans the weight update"
+    assert all(v == sorted(v) for v in held)  # versions only grow along a sequence
+    assert not any(m.get("dropped/stale") for m in lines)
 
 
 # The estimators that change what the trainer holds (a critic; a reference model) run through
 # the real loop; the others differ only in their advantage function, which test_estimators checks
 # in closed form and test_algorithms through the real Trainer's SGD step.
-@pytest.mark.parametrize("estimator", ["gae", "on_policy_distill"])
+@pytest.mark.parametrize("estimator", [n for n, s in estimators.ESTIMATORS.items() if s.critic or s.teacher])
 def test_estimators_with_extra_models_run_through_the_real_loop(tiny_model, tmp_path, estimator):
-    extra = ["--kl_coef", "0.5", "--ref_model", tiny_model] if estimator == "on_policy_distill" else []
+    spec = estimators.ESTIMATORS[estimator]
+    extra = ["--kl_coef", "0.5", "--ref_model", tiny_model] if spec.teacher else []
     summary = main.main(["--model", tiny_model, "--estimator", estimator, "--steps", "2", *SMALL, *extra,
                          "--output_dir", str(tmp_path / "run"), "--export_hf", "none", "--no_plot"])
     lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert summary["steps"] == 2 and len(lines) == 2
     assert all(isinstance(v, (int, float)) and v == v and abs(v) != float("inf") for m in lines for v in m.values())
     # the extra model is there and used: a critic's values, loss and optimizer step, or the KL to the teacher
-    keys = ("value_mean", "value_loss", "critic_grad_norm") if estimator == "gae" else ("ref_kl_k3",)
+    keys = ("value_mean", "value_loss", "critic_grad_norm") if spec.critic else ("ref_kl_k3",)
     assert all(k in m for m in lines for k in keys)

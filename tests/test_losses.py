@@ -275,10 +275,11 @@ def _is(level, mode):
     ("token", "clip", [[1.8, 0.6, 1, 0], [1.5, 0, 0.6, 0]], 3 / 5),
     ("token", "trunc", [[1.8, 0.5, 1, 0], [1.5, 0, 0.25, 0]], 1 / 5),
     # seq: products 1 (accept) and 0.375 (reject); geo: 1 and sqrt(0.375) = 0.612 (both accepted).
-    # The gate is per row; an accepted row keeps each token's own ratio under mask.
-    ("seq", "mask", [[2, 0.5, 1, 0], [0, 0, 0, 0]], 2 / 5),
+    # The gate is per row; an accepted row keeps each token's own ratio under mask, truncated
+    # at HIGH (the 2 -> 1.8, counted as filtered like trunc's).
+    ("seq", "mask", [[1.8, 0.5, 1, 0], [0, 0, 0, 0]], 3 / 5),
     ("seq", "reject", [[1, 1, 1, 0], [0, 0, 0, 0]], 2 / 5),
-    ("geo", "mask", [[2, 0.5, 1, 0], [1.5, 0, 0.25, 0]], 0.0),
+    ("geo", "mask", [[1.8, 0.5, 1, 0], [1.5, 0, 0.25, 0]], 1 / 5),
     ("geo", "reject", [[1, 1, 1, 0], [1, 0, 1, 0]], 0.0),
 ])
 def test_is_weights(level, mode, weights, filtered):
@@ -306,6 +307,21 @@ def test_is_weights_detached_and_errors():
     with pytest.raises(ValueError, match="low <= high"):
         is_weights(OLD, ROLL, IS_MASK, level="token", mode="mask", low=2.0, high=1.0)
     assert IS_LEVELS == ("off", "token", "seq", "geo") and IS_MODES == ("mask", "reject", "clip", "trunc")
+
+
+def test_is_mask_bounds_tokens_inside_a_kept_row():
+    """A row's gate can pass while one of its tokens is far outside the band: one token at
+    ratio 100 in a 1000-token row (geometric mean 1.005), or 100 next to 0.01 (product 1). The
+    row is kept; the token's weight is its ratio truncated at HIGH, never 100."""
+    lr = torch.zeros(1, 1000)
+    lr[0, 7] = LN(100.0)
+    w, m = is_weights(lr, torch.zeros(1, 1000), torch.ones(1, 1000), level="geo", mode="mask", low=0.5, high=2.0)
+    assert w[0, 7] == 2.0 and (w[0, :7] == 1).all() and (w[0, 8:] == 1).all()
+    close(m["is_filtered_frac"], 1 / 1000)
+    w, _ = is_weights(t([[LN(100.0), LN(0.01)]]), torch.zeros(1, 2), torch.ones(1, 2), level="seq", mode="mask",
+                      low=0.5, high=2.0)
+    close(w, [[2.0, 0.01]])
+    assert float(w.max()) <= 2.0
 
 
 def test_is_seq_long_sequence_does_not_overflow():

@@ -2,6 +2,8 @@
 
 import pytest
 
+import estimators
+import losses
 import main
 
 
@@ -43,7 +45,7 @@ def test_unknown_flag_is_refused(capsys):
     (["--kl_coef", "0.1", "--kl_loss", "--kl_in_reward"], "not both"),
     (["--kl_coef", "0.1", "--kl_in_reward"], "--estimator grpo normalizes a sequence reward"),
     (["--estimator", "on_policy_distill"], "needs a teacher (--ref_model PATH)"),
-    (["--critic_lr", "1e-4"], "only apply to --estimator gae"),
+    (["--critic_lr", "1e-4"], "only apply to an estimator with a critic"),
     (["--kl_estimator", "k4"], "--kl_estimator 'k4' is unknown"),
     (["--loss_agg", "sum"], "--loss_agg 'sum' is unknown"),
     # KL estimators only where their gradient is a KL's gradient (losses.KL_PLACEMENTS)
@@ -52,7 +54,6 @@ def test_unknown_flag_is_refused(capsys):
     (["--estimator", "reinforce_pp", "--kl_coef", "0.1", "--kl_in_reward", "--kl_estimator", "k2"], "use k1"),
     (["--kl_coef", "0.1", "--kl_loss", "--kl_estimator", "k1"], "--kl_estimator k1 with --kl_loss: as a loss"),
     (["--kl_estimator", "k2"], "--kl_estimator needs --kl_loss or --kl_in_reward"),
-    (["--loss", "cispo", "--dual_clip", "3"], "--loss cispo has none to cap: drop --dual_clip"),
     (["--top_p", "0.9"], "--top_p 0.9 with IS correction"),
     (["--eps_clip", "1.5", "0.2"], "--eps_clip LOW must be in [0, 1]"),
     (["--ref_model", "/nope", "--kl_coef", "0.1", "--kl_loss"], "--ref_model /nope: not a model folder"),
@@ -66,8 +67,14 @@ def test_unsound_algorithm_combinations_are_refused(capsys, tiny_model, argv, me
     (["--kl_coef", "0.1", "--kl_loss"], "kl_estimator", "k2"),
     (["--kl_coef", "0.1", "--kl_loss", "--kl_estimator", "k3"], "kl_estimator", "k3"),
     ([], "eps_clip", [0.2, 0.2]),
+    ([], "loss_agg", "token_mean"),
     (["--loss", "cispo"], "eps_clip", [None, 0.2]),          # MiniMax-M1: no lower bound
     (["--loss", "cispo", "--eps_clip", "0.1", "2"], "eps_clip", [0.1, 2.0]),
+    # GSPO as published: the geometric-mean ratio's clip range and sequence-mean aggregation
+    (["--loss", "gspo"], "eps_clip", [3e-4, 4e-4]),
+    (["--loss", "gspo"], "loss_agg", "seq_mean_token_mean"),
+    (["--loss", "gspo", "--eps_clip", "0.2", "0.2"], "eps_clip", [0.2, 0.2]),
+    (["--loss", "gspo", "--loss_agg", "token_mean"], "loss_agg", "token_mean"),
     (["--top_p", "0.9", "--is_level", "off"], "top_p", 0.9),
 ])
 def test_algorithm_defaults_are_filled_soundly(tiny_model, argv, key, value):
@@ -92,3 +99,56 @@ def test_param_dtype_auto_follows_the_device(tiny_model, monkeypatch, why, dtype
     monkeypatch.setattr(main, "native_bf16", lambda: why)
     cfg = main.validate(vars(main.build_parser().parse_args(["--model", tiny_model, "--param_dtype", "auto"])))
     assert cfg["param_dtype"] == dtype
+
+
+def _validate(tiny_model, argv):
+    return main.validate(vars(main.build_parser().parse_args(["--model", tiny_model, *argv])))
+
+
+# ---------------------------------------------------------------- every loss and estimator by its entry
+# What a loss or an estimator defaults to and refuses is declared in its entry (losses.POLICY_LOSSES,
+# estimators.ESTIMATORS); these tests cover every entry, a new one included, with no list to extend.
+
+@pytest.mark.parametrize("name", losses.POLICY_LOSSES)
+def test_each_loss_gets_its_declared_defaults_unless_the_flags_are_given(tiny_model, name):
+    spec = losses.POLICY_LOSSES[name]
+    cfg = _validate(tiny_model, ["--loss", name])
+    assert cfg["eps_clip"] == list(spec.eps_clip) and cfg["loss_agg"] == spec.loss_agg
+    cfg = _validate(tiny_model, ["--loss", name, "--eps_clip", "0.1", "0.3", "--loss_agg", "seq_mean_token_sum"])
+    assert cfg["eps_clip"] == [0.1, 0.3] and cfg["loss_agg"] == "seq_mean_token_sum"
+
+
+@pytest.mark.parametrize("name", losses.POLICY_LOSSES)
+@pytest.mark.parametrize("flags, field", [(["--dual_clip", "3"], "no_dual_clip"),
+                                          (["--train_workers", "2", "--cp_size", "2"], "no_cp")])
+def test_each_loss_refuses_exactly_the_flags_its_entry_refuses(capsys, tiny_model, name, flags, field):
+    why = getattr(losses.POLICY_LOSSES[name], field)
+    if why:
+        assert why in _err(capsys, ["--model", tiny_model, "--loss", name, *flags])
+    else:
+        _validate(tiny_model, ["--loss", name, *flags])
+
+
+@pytest.mark.parametrize("name", estimators.ESTIMATORS)
+def test_each_estimator_is_checked_by_its_entry(capsys, tiny_model, name):
+    spec = estimators.ESTIMATORS[name]
+    teacher = ["--ref_model", tiny_model, "--kl_coef", "0.1"] if spec.teacher else []
+    est = ["--model", tiny_model, "--estimator", name, *teacher]
+    _validate(tiny_model, est[2:])
+    if spec.group:
+        assert "needs --samples_per_prompt >= 2" in _err(capsys, [*est, "--samples_per_prompt", "1"])
+    else:
+        _validate(tiny_model, [*est[2:], "--samples_per_prompt", "1"])
+    if spec.teacher:
+        assert "needs a teacher (--ref_model PATH)" in _err(capsys, ["--model", tiny_model, "--estimator", name])
+        assert "already uses the KL as its advantage" in _err(capsys, [*est, "--kl_loss"])
+    else:
+        kl = [*est, "--kl_coef", "0.1", "--kl_in_reward"]
+        if spec.no_kl_in_reward:
+            assert spec.no_kl_in_reward in _err(capsys, kl)
+        else:
+            assert _validate(tiny_model, kl[2:])["kl_estimator"] == "k1"
+    if spec.critic:
+        _validate(tiny_model, [*est[2:], "--critic_lr", "1e-4"])
+    else:
+        assert "only apply to an estimator with a critic" in _err(capsys, [*est, "--critic_lr", "1e-4"])

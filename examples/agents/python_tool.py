@@ -6,14 +6,25 @@ its final answer as <answer>N</answer>. A snippet runs in a fresh subprocess
 (`run_python`) and its output comes back as the next observation; the reward is
 1 for the right final answer within `max_turns`, else 0.
 
-The sandbox, per snippet: `python -I` in an empty temporary directory with a
-bare environment (no proxies, no PYTHON* variables); a wall-clock limit
-(TIMEOUT_S, the whole process group is killed) and CPU-time and address-space
-limits (setrlimit); no network: the child moves into a new network namespace
-(unshare(CLONE_NEWNET), or with a user namespace where unprivileged), which has
-no interfaces up, and `socket.socket` refuses to open sockets as a second line
-where namespaces are not allowed. It is a guard against accidents, not a
-security boundary for hostile code.
+The sandbox, per snippet (needs Linux namespaces and util-linux `unshare`; `run_python`
+raises SandboxError naming the cause where they are missing, it never runs a snippet
+unconfined): `unshare` gives it new PID, mount, network, IPC and UTS namespaces. There a
+launcher (PID 1) builds a private root on a 16 MB tmpfs holding only read-only binds of
+/usr, /etc/ld.so.cache, a few /dev nodes and the Python install (its site-packages
+hidden), plus an empty writable /tmp, chroots into it, and forks the snippet as `nobody`
+(from root; as any other user, inside a user namespace as that same user) with no
+capabilities, no_new_privs, a new session and limits on address space, CPU time, file
+size and (as `nobody`) processes. The wall-clock limit (TIMEOUT_S) kills `unshare`, whose
+death kills the launcher, and the launcher's exit kills every process left in the PID
+namespace, however it was started.
+
+What that guarantees: the snippet sees no file of the project, its data or the home
+folder, can write nothing outside its own tmpfs, has no network (no interface is up in
+its namespace), cannot see or signal any process outside its namespace (the agent's and
+the driver's included), and leaves no process behind. What it does not: it is not a VM
+or seccomp filter, so a kernel bug reachable by an unprivileged process is still a way
+out; the installed Python stdlib and /usr are readable (no project data lives there);
+CPU and memory are capped per snippet, not per episode.
 
 Needs a real chat model (the tiny default vocabulary has no letters):
 
@@ -21,13 +32,12 @@ Needs a real chat model (the tiny default vocabulary has no letters):
 """
 
 import asyncio
+import contextlib
 import os
 import random
 import re
-import signal
 import sys
 import tempfile
-from pathlib import Path
 
 from agent import Env, Result
 from server import parse_tool_calls
@@ -38,55 +48,133 @@ MAX_OUTPUT = 4000  # characters of output shown to the model
 
 SYSTEM = ("You can run Python. To run code, write it in a ```python code block; you will see what "
           "it prints. When you know the answer, reply with <answer>NUMBER</answer> and nothing else.")
+NOBODY = 65534
+READY = b"\0sandbox ready\n"   # written just before the snippet starts: what follows is its output
+# (none: set-up failed)
 
-# Runs in the child (argv: memory bytes, CPU seconds) before the snippet: leave the
-# network, cap memory and CPU time, refuse sockets. Limits are set here, not in a
-# preexec_fn: Python code between fork and exec can deadlock in a threaded parent.
-PRELUDE = r"""
-import ctypes, resource, socket, sys
-_libc = ctypes.CDLL(None, use_errno=True)
-if _libc.unshare(0x40000000) != 0:                # CLONE_NEWNET (needs root)
-    _libc.unshare(0x10000000 | 0x40000000)        # + CLONE_NEWUSER (unprivileged, where allowed)
-for _limit, _value in ((resource.RLIMIT_AS, int(sys.argv[1])), (resource.RLIMIT_CPU, int(sys.argv[2]))):
-    resource.setrlimit(_limit, (_value, _value))
-class _NoSocket(socket.socket):
-    def __init__(self, *args, **kwargs):
-        raise OSError("network access is disabled in this sandbox")
-socket.socket = _NoSocket
-sys.argv = ["snippet.py"]
-del ctypes, resource, socket, _libc, _limit, _value, _NoSocket
-exec(compile(open("snippet.py").read(), "snippet.py", "exec"), {"__name__": "__main__"})
+# The launcher: PID 1 of the new namespaces (argv: root folder, code, memory bytes, CPU
+# seconds). Its exit takes every process of the PID namespace with it.
+LAUNCHER = r"""
+import ctypes, os, resource, sys
+root, code, memory, cpu = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+libc = ctypes.CDLL(None, use_errno=True)
+RDONLY, NOSUID, NODEV, REMOUNT, BIND, REC, PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
+KEEP = NOSUID | NODEV | 8 | 1024 | 2048 | 4096   # + noexec, noatime, nodiratime, relatime (locked in a user namespace)
+
+def mount(src, dst, fstype, flags, opts=None):
+    arg = lambda s: s.encode() if s else None
+    if libc.mount(arg(src), arg(dst), arg(fstype), flags, arg(opts)) != 0:
+        raise OSError(ctypes.get_errno(), f"mount {src} on {dst}: {os.strerror(ctypes.get_errno())}")
+
+def bind(path, writable=False):
+    inside = root + path
+    if os.path.islink(path):
+        os.makedirs(os.path.dirname(inside), exist_ok=True)
+        return os.symlink(os.readlink(path), inside)
+    if os.path.isdir(path):
+        os.makedirs(inside, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(inside), exist_ok=True)
+        open(inside, "w").close()
+    mount(path, inside, None, BIND | REC)
+    if not writable:
+        mount(None, inside, None, REMOUNT | BIND | RDONLY | (os.statvfs(path).f_flag & KEEP))
+
+mount(None, "/", None, REC | PRIVATE)
+mount("tmpfs", root, "tmpfs", NOSUID | NODEV, "size=16m,mode=755")
+prefix = sys.base_prefix
+site = os.path.join(prefix, "lib", "python%d.%d" % sys.version_info[:2], "site-packages")
+for path in ("/usr", "/bin", "/lib", "/lib64", "/sbin", "/etc/ld.so.cache", prefix):
+    if os.path.lexists(path) and not os.path.exists(root + path):
+        bind(path)
+if os.path.isdir(site):   # installed packages (and whatever a package ships) stay out of sight
+    mount("tmpfs", root + site, "tmpfs", RDONLY | NOSUID | NODEV, "size=4k")
+for dev in ("null", "zero", "urandom", "random"):
+    bind("/dev/" + dev, writable=True)
+os.makedirs(root + "/tmp", mode=0o1777)
+os.chmod(root + "/tmp", 0o1777)
+with open(root + "/tmp/snippet.py", "w") as f:
+    f.write(code)
+os.chroot(root)
+os.chdir("/tmp")
+child = os.fork()
+if child == 0:
+    try:
+        os.setsid()   # its own process group: kill(0) from the snippet stays inside
+        limits = [(resource.RLIMIT_AS, memory), (resource.RLIMIT_CPU, cpu), (resource.RLIMIT_FSIZE, 8 << 20)]
+        if not in_userns:   # nobody's processes, machine-wide (in a user namespace: the caller's, too many)
+            limits.append((resource.RLIMIT_NPROC, 64))
+        for limit, value in limits:
+            resource.setrlimit(limit, (value, value))
+        for cap in range(64):   # an empty bounding set: nothing regains a capability at exec
+            if libc.prctl(24, cap, 0, 0, 0) != 0:   # PR_CAPBSET_DROP; EINVAL past the last capability
+                if ctypes.get_errno() != 22 or cap == 0:
+                    raise OSError(ctypes.get_errno(), f"cannot drop capability {cap}")
+                break
+        if not in_userns:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+        if libc.prctl(38, 1, 0, 0, 0) != 0:   # PR_SET_NO_NEW_PRIVS
+            raise OSError(ctypes.get_errno(), "cannot set no_new_privs")
+        os.write(1, READY)   # set up: what follows is the snippet's
+        os.execve(sys.executable, [sys.executable, "-I", "snippet.py"],
+                  {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp"})
+    except BaseException as e:
+        os.write(1, f"sandbox set-up failed: {e!r}\n".encode())
+    os._exit(127)
+_, status = os.waitpid(child, 0)
+os._exit(os.waitstatus_to_exitcode(status) & 255)
 """
+
+
+class SandboxError(RuntimeError):
+    """The sandbox could not be set up: the snippet did not run."""
+
+
+def sandbox_command(timeout: float, memory_mb: int, root: str, code: str) -> list[str]:
+    """`unshare` and the launcher; a user namespace maps a non-root caller to root inside,
+    where it can mount (the snippet then keeps the caller's own uid, without capabilities)."""
+    userns = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+    launcher = f"NOBODY, READY, in_userns = {NOBODY}, {READY!r}, {bool(userns)}\n" + LAUNCHER
+    return ["unshare", "--pid", "--fork", "--kill-child", "--mount", "--net", "--ipc", "--uts", *userns,
+            os.path.realpath(sys.executable), "-I", "-c", launcher, root, code, str(memory_mb * 2**20),
+            str(int(timeout) + 1)]
 
 
 async def run_python(code: str, timeout: float = TIMEOUT_S, memory_mb: int = MEMORY_MB) -> str:
     """Run `code` in the sandbox; returns its stdout and stderr (cut to MAX_OUTPUT) and a
-    note if it was killed for time."""
-    with tempfile.TemporaryDirectory() as tmp:
-        Path(tmp, "snippet.py").write_text(code)
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-c", PRELUDE, str(memory_mb * 2**20), str(int(timeout) + 1),
-            cwd=tmp, env={"PATH": os.defpath, "LANG": "C.UTF-8"}, stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+    note if it was killed for time. Raises SandboxError if the sandbox cannot start."""
+    with tempfile.TemporaryDirectory() as root:   # only a mount point: the tmpfs lives in the namespace
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *sandbox_command(timeout, memory_mb, root, code), env={"PATH": os.defpath, "LANG": "C.UTF-8"},
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+        except FileNotFoundError as e:
+            raise SandboxError(f"the Python sandbox needs util-linux `unshare` ({e})") from None
         out = bytearray()
 
         async def drain():
             while chunk := await proc.stdout.read(65536):
-                out.extend(chunk[: max(0, 4 * MAX_OUTPUT - len(out))])  # keep reading, store a bounded prefix
+                out.extend(chunk[: max(0, 4 * MAX_OUTPUT + len(READY) - len(out))])  # a bounded prefix
 
         note = ""
         try:
             await asyncio.wait_for(drain(), timeout)
-        except asyncio.TimeoutError:
+        except BaseException as e:   # the time limit, or the episode cancelled: end the namespace
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()   # unshare: its death kills the launcher, and the launcher's every process
+            if not isinstance(e, asyncio.TimeoutError):
+                raise
             note = f"\n[killed: exceeded the {timeout:g} s time limit]"
-        finally:
-            if proc.returncode is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)  # the snippet's children too
-                except ProcessLookupError:
-                    pass
+        finally:   # after EOF unshare ends by itself (a kill then would race asyncio's own wait)
             await proc.wait()
-    text = out.decode(errors="replace")
+    if not out.startswith(READY):
+        raise SandboxError("the Python sandbox could not start, so the snippet did not run (it needs Linux "
+                           "PID, mount and network namespaces: root, or unprivileged user namespaces): "
+                           + out.decode(errors="replace").strip()[-600:])
+    text = out[len(READY):].decode(errors="replace")
     if len(text) > MAX_OUTPUT:
         text = text[:MAX_OUTPUT] + "\n[output cut]"
     return text + note
