@@ -38,13 +38,15 @@ The server's rules:
   - `max_tokens` / `max_completion_tokens` / `max_output_tokens` is clamped to the
     run's per-turn limit and to what is left of `max_len`; with no room left the
     reply is empty and cut off ("length" / "max_tokens"), nothing recorded;
-  - the same body twice in a row (an SDK retry) gets the first reply, recorded once,
-    with the header `x-molt-cached: true`; change any field (`user`, `metadata`) to
-    sample again;
+  - a retry (header `x-stainless-retry-count` > 0, as the stock SDKs send it) of the last
+    body gets the first reply, recorded once, with the header `x-molt-cached: true`; any
+    other request samples anew, an identical body included;
   - tools: a template that knows `tools` gets them natively; otherwise they are
     described in the system message and calls are written as
     `<tool_call>{"name": ..., "arguments": ...}</tool_call>`, which a reply's text is
-    parsed for; text and images only;
+    parsed for; a block whose arguments are not a JSON object, a call in a reply cut off by
+    max_tokens, and calls past the first when parallel tool calls are off stay text;
+    text and images only; an Anthropic prefill (a final assistant message) is refused;
   - client input never gives a 5xx: bad JSON, bad encodings, nesting, oversized bodies
     (413) and bad fields get the API's 4xx error body.
 """
@@ -84,17 +86,20 @@ def _need(cond: Any, message: str):
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
+def parse_tool_calls(text: str, most: int | None = None) -> tuple[str, list[dict]]:
     """Split a reply into its text and its `<tool_call>{json}</tool_call>` calls
-    ({"id", "name", "arguments"}). A block that is not a JSON call stays text."""
+    ({"id", "name", "arguments"}), at most `most` of them. A block that is not a call (not JSON,
+    no name, arguments that are not a JSON object) stays text, as do blocks past `most`."""
     calls, kept, last = [], [], 0
     for match in TOOL_CALL.finditer(text):
+        if most is not None and len(calls) >= most:
+            break
         try:
             call = json.loads(match.group(1))
         except (json.JSONDecodeError, RecursionError):
             continue
-        if isinstance(call, dict) and isinstance(call.get("name"), str):
-            args = call.get("arguments", call.get("parameters", {}))
+        args = call.get("arguments", call.get("parameters", {})) if isinstance(call, dict) else None
+        if isinstance(args, dict) and isinstance(call.get("name"), str):   # agents index the arguments
             calls.append({"id": f"call_{secrets.token_hex(6)}", "name": call["name"], "arguments": args})
             kept.append(text[last:match.start()])
             last = match.end()
@@ -176,6 +181,7 @@ class Request:
     stream: bool = False
     top_logprobs: int | None = None      # None: no logprobs asked; k: the sampled token's and k alternatives
     usage_in_stream: bool = False        # OpenAI stream_options.include_usage
+    single_call: bool = False            # parallel_tool_calls false / disable_parallel_tool_use
 
 
 def _limit(value: Any, name: str) -> Any:
@@ -199,7 +205,7 @@ def _chat_tools(tools: Any, where: str = "tools") -> list[dict] | None:
 
 def _no_n(body: dict):
     _need(body.get("n") in (1, None), "n > 1 is not supported: send one request per sample "
-                                       "(each sample is then its own rollout segment)")
+                                       "(each request samples anew, and each sample is its own rollout segment)")
 
 
 # Every top-level field each API knows (as of openai 3.57 and anthropic 2.15), in three kinds
@@ -221,13 +227,14 @@ RUN_SAMPLING = {"openai": ("temperature", "top_p", "seed"), "anthropic": ("tempe
                 "count_tokens": (), "responses": ("temperature", "top_p")}
 _AUTO = {"type": "auto"}
 _ANTHROPIC_ONLY = {"thinking": ({"type": "disabled"},), "output_config": (), "output_format": (), "container": (),
-                   "diagnostics": (), "tool_choice": (_AUTO, {**_AUTO, "disable_parallel_tool_use": False})}
-_ONLY = {"openai": {"tool_choice": ("auto",), "parallel_tool_calls": (True,), "response_format": ({"type": "text"},),
+                   "diagnostics": (), "tool_choice": (_AUTO, *({**_AUTO, "disable_parallel_tool_use": b}
+                                                               for b in (False, True)))}
+_ONLY = {"openai": {"tool_choice": ("auto",), "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},),
                     "modalities": (["text"],), "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},),
                     "reasoning_effort": (), "verbosity": (), "audio": (), "prediction": (), "web_search_options": (),
                     "functions": (), "function_call": ()},
          "anthropic": _ANTHROPIC_ONLY, "count_tokens": _ANTHROPIC_ONLY,
-         "responses": {"tool_choice": ("auto",), "parallel_tool_calls": (True,), "truncation": ("disabled",),
+         "responses": {"tool_choice": ("auto",), "parallel_tool_calls": (True, False), "truncation": ("disabled",),
                        "text": ({"format": {"type": "text"}},), "reasoning": (), "background": (False,),
                        "background_options": (), "context_management": (), "conversation": (), "prompt": (),
                        "max_tool_calls": (), "image": (), "access_programs": ()}}
@@ -280,7 +287,8 @@ def openai_request(body: dict) -> Request:
     return Request(messages, _chat_tools(body.get("tools")),
                    _limit(body.get("max_tokens") if newer is None else newer, "max_tokens"),
                    _stops(body.get("stop"), "stop", 4), bool(body.get("stream")),
-                   (top or 0) if logprobs else None, bool((options or {}).get("include_usage")))
+                   (top or 0) if logprobs else None, bool((options or {}).get("include_usage")),
+                   body.get("parallel_tool_calls") is False)
 
 
 def anthropic_request(body: dict, count_only: bool = False) -> Request:
@@ -303,6 +311,8 @@ def anthropic_request(body: dict, count_only: bool = False) -> Request:
             elif kind == "image" and m["role"] == "user":
                 text.append({"type": "image", "image": _image_uri(b, f"{where}.content.{j}")})
             elif kind == "tool_use" and m["role"] == "assistant":
+                _need(isinstance(b.get("input", {}), dict),
+                      f"{where}.content.{j}.input: Input should be a valid dictionary")
                 calls.append(_call(b.get("name"), b.get("input", {}), b.get("id"), f"{where}.content.{j}"))
             elif kind == "tool_result" and m["role"] == "user":
                 result = _text(b.get("content"), f"{where}.content.{j}.content")
@@ -315,13 +325,20 @@ def anthropic_request(body: dict, count_only: bool = False) -> Request:
             content = "".join(text) if all(isinstance(t, str) for t in text) else \
                 [{"type": "text", "text": t} if isinstance(t, str) else t for t in text]
             messages.append({"role": m["role"], "content": content, **({"tool_calls": calls} if calls else {})})
+    # A final assistant turn is a prefill the real API continues; rendered here it would start a new
+    # turn, so the reply would not be what the API promises.
+    _need(count_only or messages[-1]["role"] != "assistant",
+          f"messages.{len(body['messages']) - 1}: a final assistant message (prefill) is not supported by this "
+          "server: the reply would start a new turn instead of continuing it; end with a user message")
     tools = body.get("tools") or None
     _need(tools is None or (isinstance(tools, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
                                                             for t in tools)), "tools: each tool needs a name")
     tools = tools and [{"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
                                                          "parameters": t.get("input_schema", {})}} for t in tools]
+    choice = body.get("tool_choice")
     return Request(messages, tools, None if count_only else _limit(body["max_tokens"], "max_tokens"),
-                   _stops(body.get("stop_sequences"), "stop_sequences", 8), bool(body.get("stream")))
+                   _stops(body.get("stop_sequences"), "stop_sequences", 8), bool(body.get("stream")),
+                   single_call=isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True)
 
 
 def responses_request(body: dict, history: dict[str, list[dict]]) -> tuple[Request, list[dict]]:
@@ -373,7 +390,8 @@ def responses_request(body: dict, history: dict[str, list[dict]]) -> tuple[Reque
     system = [{"role": "system", "content": _text(body["instructions"], "instructions")}] \
         if body.get("instructions") else []
     return Request(system + messages, tools, _limit(body.get("max_output_tokens"), "max_output_tokens"), [],
-                   bool(body.get("stream")), (top or 0) if logprobs else None), messages
+                   bool(body.get("stream")), (top or 0) if logprobs else None,
+                   single_call=body.get("parallel_tool_calls") is False), messages
 
 
 def _key(m: dict) -> tuple:
@@ -447,11 +465,31 @@ def _pieces(tokenizer, ids: list[int], text: str) -> list[str]:
     return pieces if "".join(pieces) == text else []
 
 
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's printable stand-ins (GPT-2, Llama 3, Qwen) -> the bytes they stand for."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
+def token_bytes(tokenizer, t: int, text: str) -> list[int]:
+    """The bytes token `t` stands for. Its decoded `text` is the answer unless the token holds part
+    of a multi-byte character (decoding writes U+FFFD): then the vocabulary's own piece, a
+    SentencePiece byte token `<0xE2>` or byte-level BPE's stand-in characters."""
+    if "\ufffd" not in text:
+        return list(text.encode("utf-8"))
+    piece = tokenizer.convert_ids_to_tokens(t)
+    if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+        return [int(piece[3:5], 16)]
+    table = _byte_decoder()
+    return [table[c] for c in piece] if all(c in table for c in piece) else list(text.encode("utf-8"))
+
+
 def _token_logprobs(tokenizer, ids: list[int], logprobs: list[float], tops: list | None) -> list[dict]:
     """Per sampled token (a final end-of-turn aside): its text, bytes, logprob and alternatives."""
     def entry(t: int, lp: float) -> dict:
         text = tokenizer.decode([t], skip_special_tokens=False)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", "replace"))}
+        return {"token": text, "logprob": lp, "bytes": token_bytes(tokenizer, t, text)}
     n = len(ids) - (1 if ids and ids[-1] == tokenizer.eos_token_id else 0)
     return [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in (tops[i] if tops else [])]}
             for i, (t, lp) in enumerate(zip(ids[:n], logprobs[:n]))]
@@ -537,12 +575,14 @@ class ChatSession:
         sampled = decode_reply(self.tokenizer, ids)
         stop = out.get("stop_reason")
         cut = sampled.find(stop) if stop else -1   # the first match is where the engine stopped
-        text, calls = parse_tool_calls(sampled[:cut] if cut >= 0 else sampled)
+        text = sampled[:cut] if cut >= 0 else sampled
+        cutoff = out["finish_reason"] == "length"   # a call in a cut-off turn is not a call (the real APIs)
+        text, calls = (text, []) if cutoff else parse_tool_calls(text, 1 if req.single_call else None)
         reply = {"role": "assistant", "content": text, "tool_calls": calls}
         self.keys = [_key(m) for m in req.messages] + [_key(reply)]
         self.rendered = rendered + [{"role": "assistant", "content": sampled}]
         self.tools, self.reply_ids = req.tools, ids
-        finish = "tool_calls" if calls else ("length" if out["finish_reason"] == "length" else "stop")
+        finish = "length" if cutoff else ("tool_calls" if calls else "stop")
         logprobs = None if req.top_logprobs is None else \
             _token_logprobs(self.tokenizer, ids, out["logprobs"], out.get("top_logprobs"))
         return Reply(text, calls, finish, len(prompt), len(ids), stop if cut >= 0 else None, logprobs,
@@ -600,7 +640,7 @@ def anthropic_response(reply: Reply, model: str, req: Request) -> dict | list[Ev
     content = [{"type": "text", "text": reply.text}] if reply.text or not reply.tool_calls else []
     content += [{"type": "tool_use", "id": c["id"], "name": c["name"], "input": c["arguments"]}
                 for c in reply.tool_calls]
-    stop = "stop_sequence" if reply.stop_sequence and not reply.tool_calls else \
+    stop = "stop_sequence" if reply.stop_sequence else \
         {"tool_calls": "tool_use", "length": "max_tokens"}.get(reply.finish, "end_turn")
     sequence = reply.stop_sequence if stop == "stop_sequence" else None
     message = {"id": _id("msg"), "type": "message", "role": "assistant", "model": model, "content": content,
@@ -639,7 +679,7 @@ def responses_response(reply: Reply, model: str, req: Request, body: dict) -> tu
                 "status": done, "incomplete_details": {"reason": "max_output_tokens"} if done == "incomplete" else None,
                 "error": None, "instructions": body.get("instructions"), "output": output,
                 "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or "auto",
-                "parallel_tool_calls": True, "previous_response_id": body.get("previous_response_id"),
+                "parallel_tool_calls": not req.single_call, "previous_response_id": body.get("previous_response_id"),
                 "max_output_tokens": body.get("max_output_tokens"), "metadata": body.get("metadata") or {},
                 "store": False, "text": {"format": {"type": "text"}}, "truncation": "disabled",
                 "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": reply.completion_tokens,
@@ -660,8 +700,10 @@ def responses_response(reply: Reply, model: str, req: Request, body: dict) -> tu
             part = item["content"][0]
             event("response.output_item.added", output_index=i, item={**item, "status": "in_progress", "content": []})
             event("response.content_part.added", **at, content_index=0, part={**part, "text": "", "logprobs": []})
-            for piece in reply.deltas():
-                event("response.output_text.delta", **at, content_index=0, delta=piece, logprobs=[])
+            per_token = reply.logprobs is not None and len(reply.pieces) == len(reply.logprobs)
+            for j, piece in enumerate(reply.deltas()):   # one delta per sampled token, with its logprobs
+                lp = reply.logprobs[j:j + 1] if per_token else (part["logprobs"] if j == 0 else [])
+                event("response.output_text.delta", **at, content_index=0, delta=piece, logprobs=lp)
             event("response.output_text.done", **at, content_index=0, text=part["text"], logprobs=part["logprobs"])
             event("response.content_part.done", **at, content_index=0, part=part)
         else:
@@ -707,6 +749,14 @@ async def _read_json(request) -> dict:
         raise BadRequest("the request body is not valid JSON") from None
     _need(isinstance(body, dict), "the request body must be a JSON object")
     return body
+
+
+def _is_retry(request) -> bool:
+    """Whether the client says this request retries its last one: both stock SDKs (and the
+    libraries built on them) send `x-stainless-retry-count`, > 0 on a retry. Without it an
+    identical body is a new sample (an agent may ask the same thing twice on purpose)."""
+    count = request.headers.get("x-stainless-retry-count", "0")
+    return count.isdigit() and int(count) > 0
 
 
 class ChatServer:
@@ -787,7 +837,7 @@ class ChatServer:
             ignored = check_fields(api, body)
             key = json.dumps(body, sort_keys=True)
             async with session.lock:
-                if api != "count_tokens" and session.last and session.last[:2] == (api, key):
+                if api != "count_tokens" and session.last and session.last[:2] == (api, key) and _is_retry(request):
                     response, cached = session.last[2], True   # a retry: same reply, recorded once
                 else:
                     response = await self._reply(session, api, body)

@@ -234,27 +234,32 @@ def test_template_that_rerenders_history_starts_a_segment(server, loop, tiny_mod
     assert tok.decode(segs[1].tokens) == "<|user|>1?2=<|end|><|assistant|><|end|><|user|>3?4=<|end|><|assistant|>4<|end|>"
 
 
-async def _post(http, url, body):
-    async with http.post(url, data=body if isinstance(body, (str, bytes)) else json.dumps(body)) as r:
+async def _post(http, url, body, headers=None):
+    async with http.post(url, data=body if isinstance(body, (str, bytes)) else json.dumps(body),
+                         headers=headers) as r:
         return r.status, await r.json()
 
 
-def test_identical_retry_returns_the_cached_reply_and_records_once(server, loop, tiny_tokenizer):
+def test_a_retry_returns_the_cached_reply_and_records_once(server, loop, tiny_tokenizer):
+    """A retry is what the SDKs mark as one (`x-stainless-retry-count` > 0); the same body
+    without the mark is a new sample (a new segment: the conversation did not grow)."""
     rec = fake(tiny_tokenizer, ["7", "8"])
     body = {"model": "m", "messages": [{"role": "user", "content": "3?7="}], "temperature": 0.2}
 
     async def go():
         s = server.open_session(rec, tiny_tokenizer, sampling=SAMPLING, max_len=64)
         url = s.base_url + "/chat/completions"
+        retry = {"x-stainless-retry-count": "1"}
         async with aiohttp.ClientSession() as http:
-            both = await asyncio.gather(_post(http, url, body), _post(http, url, body))  # a retry in flight
-            later = await _post(http, url, body)                                           # a retry afterwards
-        return both + [later], server.close_session(s.id)
+            both = await asyncio.gather(_post(http, url, body, retry), _post(http, url, body, retry))  # in flight
+            later = await _post(http, url, body, {"x-stainless-retry-count": "2"})                   # afterwards
+            again = await _post(http, url, body, {"x-stainless-retry-count": "0"})   # a first try: samples
+        return both + [later, again], server.close_session(s.id)
     replies, segs = loop.run_until_complete(go())
-    assert [status for status, _ in replies] == [200] * 3
+    assert [status for status, _ in replies] == [200] * 4
     assert replies[0][1] == replies[1][1] == replies[2][1]
-    assert replies[0][1]["choices"][0]["message"]["content"] == "7"
-    assert len(rec.calls) == 1 and len(segs) == 1
+    assert [r[1]["choices"][0]["message"]["content"] for r in replies] == ["7", "7", "7", "8"]
+    assert len(rec.calls) == 2 and len(segs) == 2
     check_token_exact(segs, rec.calls)
     assert rec.sampling[0]["temperature"] == 1.0  # the run's temperature, not the request's
 

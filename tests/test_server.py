@@ -294,8 +294,9 @@ def test_models_count_tokens_n_and_retries(server, loop, tiny_tokenizer):
             with pytest.raises(openai.BadRequestError, match="n > 1 is not supported"):
                 await client.chat.completions.create(model="m", messages=msgs, n=2)
             first = await client.chat.completions.with_raw_response.create(model="m", messages=msgs)
-            retry = await client.chat.completions.with_raw_response.create(model="m", messages=msgs)
-            fresh = await client.chat.completions.with_raw_response.create(model="m", messages=msgs, user="2")
+            retry = await client.chat.completions.with_raw_response.create(   # as the SDK retries
+                model="m", messages=msgs, extra_headers={"x-stainless-retry-count": "1"})
+            fresh = await client.chat.completions.with_raw_response.create(model="m", messages=msgs)
         async with anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key="k", max_retries=0) as client:
             assert [m.id for m in (await client.models.list()).data] == ["policy"]
             kw = {"model": "m", "system": "Be brief.", "messages": [{"role": "user", "content": "3?7="}]}
@@ -305,7 +306,8 @@ def test_models_count_tokens_n_and_retries(server, loop, tiny_tokenizer):
     first, retry, fresh, count, r, segs = loop.run_until_complete(go())
     assert first.parse().model_dump() == retry.parse().model_dump()      # a retry: the same reply, recorded once
     assert retry.headers.get("x-molt-cached") == "true" and "x-molt-cached" not in first.headers
-    assert "x-molt-cached" not in fresh.headers and len(rec.calls) == 3  # a differing field samples again
+    assert "x-molt-cached" not in fresh.headers and len(rec.calls) == 3  # the same body, not a retry: a new sample
+    assert (first.parse().choices[0].message.content, fresh.parse().choices[0].message.content) == ("7", "8")
     assert count.input_tokens == r.usage.input_tokens == len(rec.calls[2][0])
     assert count.input_tokens == len(ids(tok, "<|system|>Be brief.<|end|><|user|>3?7=<|end|><|assistant|>"))
     assert len(segs) == 3   # the re-sample and the Anthropic turn do not extend the conversation: new segments
@@ -459,6 +461,152 @@ def test_responses_api_function_tools(server, loop):
     text = tok.decode(segs[0].tokens)
     assert text.startswith("<|im_start|>system\nBe brief.\n\nYou can call these tools:")
     assert text.endswith("<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\nThe sum is 5.<|im_end|>")
+
+
+# ----------------------------------------------------------- finish reasons and what counts as a call
+
+
+ATOOLS = [{"name": "add", "description": "Add two integers", "input_schema": TOOLS[0]["function"]["parameters"]}]
+RTOOLS = [{"type": "function", "name": "add", "parameters": TOOLS[0]["function"]["parameters"]}]
+
+
+def test_a_cut_off_or_stopped_reply_reports_its_finish_not_a_tool_call(server, loop):
+    """A reply cut by max_tokens that holds a whole call is `length` / `max_tokens` / `incomplete`
+    and the call stays text (an agent must not run a call from a cut-off turn); a matched stop
+    sequence wins over tool_use on Anthropic."""
+    tok = smol_tokenizer()
+    cut = ids(tok, "Let me add. " + CALL)   # sampled as is, no end of turn: finish_reason "length"
+    rec = fake(tok, [cut, cut, cut, cut, "Let me add. " + CALL + " END more"])
+
+    async def go():
+        s = session(server, rec, tok, {"temperature": 0.7, "max_tokens": 64}, 2048)
+        msgs = [{"role": "user", "content": "What is 2 + 3?"}]
+        async with openai.AsyncOpenAI(base_url=s.base_url, api_key="k", max_retries=0) as client:
+            c = await client.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
+            chunks = [x async for x in await client.chat.completions.create(model="m", messages=msgs, tools=TOOLS,
+                                                                             stream=True)]
+            r = await client.responses.create(model="m", input="What is 2 + 3?", tools=RTOOLS)
+        async with anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key="k", max_retries=0) as client:
+            a = await client.messages.create(model="m", max_tokens=64, messages=msgs, tools=ATOOLS)
+            stopped = await client.messages.create(model="m", max_tokens=64, messages=msgs, tools=ATOOLS,
+                                                   stop_sequences=["END"])
+        server.close_session(s.id)
+        return c, chunks, r, a, stopped
+    c, chunks, r, a, stopped = loop.run_until_complete(go())
+    text = "Let me add. " + CALL
+    assert (c.choices[0].finish_reason, c.choices[0].message.tool_calls, c.choices[0].message.content) == \
+        ("length", None, text)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert not any(x.choices[0].delta.tool_calls for x in chunks)
+    assert r.status == "incomplete" and [o.type for o in r.output] == ["message"] and r.output_text == text
+    assert a.stop_reason == "max_tokens" and [(b.type, b.text) for b in a.content] == [("text", text)]
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", "END")
+
+
+def test_only_a_json_object_is_a_tool_calls_arguments(server, loop):
+    """Arguments that are not an object (a string, a list, a number) leave the block as text;
+    an Anthropic history whose tool_use input is not an object is refused as the API refuses it."""
+    tok = smol_tokenizer()
+    odd = ['<tool_call>{"name": "add", "arguments": "2 3"}</tool_call>',
+           '<tool_call>{"name": "add", "arguments": [2, 3]}</tool_call>']
+    rec = fake(tok, odd + [odd[0]])
+
+    async def go():
+        s = session(server, rec, tok, {"temperature": 0.7, "max_tokens": 64}, 2048)
+        msgs = [{"role": "user", "content": "What is 2 + 3?"}]
+        async with openai.AsyncOpenAI(base_url=s.base_url, api_key="k", max_retries=0) as client:
+            c = [await client.chat.completions.create(model="m", messages=msgs, tools=TOOLS) for _ in odd]
+        async with anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key="k", max_retries=0) as client:
+            a = await client.messages.create(model="m", max_tokens=64, messages=msgs, tools=ATOOLS)
+            with pytest.raises(anthropic.BadRequestError) as e:
+                await client.messages.create(model="m", max_tokens=64, tools=ATOOLS, messages=msgs + [
+                    {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "add", "input": "x"}]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "5"}]}])
+        server.close_session(s.id)
+        return c, a, e.value.message
+    c, a, refused = loop.run_until_complete(go())
+    assert [(x.choices[0].finish_reason, x.choices[0].message.tool_calls, x.choices[0].message.content)
+            for x in c] == [("stop", None, t) for t in odd]
+    assert a.stop_reason == "end_turn" and [(b.type, b.text) for b in a.content] == [("text", odd[0])]
+    assert "messages.1.content.0.input: Input should be a valid dictionary" in refused
+    assert len(rec.calls) == 3
+
+
+def test_an_anthropic_prefill_is_refused_with_the_reason(server, loop):
+    """A final assistant message is a prefill the real API continues; the server would start a new
+    turn instead, so it refuses it and says why (no sample is drawn)."""
+    tok = smol_tokenizer()
+    rec = fake(tok, [])
+
+    async def go():
+        s = session(server, rec, tok, {"temperature": 0.7, "max_tokens": 64}, 2048)
+        async with anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key="k", max_retries=0) as client:
+            with pytest.raises(anthropic.BadRequestError) as e:
+                await client.messages.create(model="m", max_tokens=64, messages=[
+                    {"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "The sum is"}])
+        server.close_session(s.id)
+        return e.value.message
+    assert "messages.1: a final assistant message (prefill) is not supported" in loop.run_until_complete(go())
+    assert rec.calls == []
+
+
+def test_logprob_bytes_are_the_tokens_bytes_and_responses_deltas_carry_logprobs(server, loop):
+    """A character split across tokens: each token's `bytes` are its own (they join to the
+    character's UTF-8), not U+FFFD's; a streamed Responses reply carries each token's logprobs."""
+    tok = smol_tokenizer()
+    rec = fake(tok, ["It is 😀", "The sum is 5."])
+
+    async def go():
+        s = session(server, rec, tok, {"temperature": 0.7, "max_tokens": 64}, 2048)
+        async with openai.AsyncOpenAI(base_url=s.base_url, api_key="k", max_retries=0) as client:
+            c = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "?"}],
+                                                     logprobs=True)
+            events = [e async for e in await client.responses.create(
+                model="m", input="2 + 3?", stream=True, include=["message.output_text.logprobs"])]
+        server.close_session(s.id)
+        return c, events
+    c, events = loop.run_until_complete(go())
+    lps = c.choices[0].logprobs.content
+    assert bytes(b for lp in lps for b in lp.bytes).decode("utf-8") == "It is 😀"
+    assert any("\ufffd" in lp.token for lp in lps)   # the case at stake: a token inside the character
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) > 1 and all(len(d.logprobs) == 1 for d in deltas)
+    assert [d.logprobs[0].logprob for d in deltas] == rec.calls[1][1]["logprobs"][:len(deltas)]
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_and_the_rest_as_text(server, loop):
+    """LlamaIndex sends parallel_tool_calls: false by default. A sampled reply may hold two calls
+    anyway: the first is the call, the second stays text; the history sent back extends the trace."""
+    tok = smol_tokenizer()
+    second = '<tool_call>{"name": "add", "arguments": {"a": 5, "b": 1}}</tool_call>'
+    rec = fake(tok, [CALL + second, "It is 5.", CALL + second, CALL + second])
+
+    async def go():
+        s = session(server, rec, tok, {"temperature": 0.7, "max_tokens": 64}, 2048)
+        msgs = [{"role": "user", "content": "What is 2 + 3?"}]
+        async with openai.AsyncOpenAI(base_url=s.base_url, api_key="k", max_retries=0) as client:
+            c = await client.chat.completions.create(model="m", messages=msgs, tools=TOOLS, parallel_tool_calls=False)
+            msg = c.choices[0].message
+            msgs2 = msgs + [msg.model_dump(exclude_none=True),
+                            {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "5"}]
+            await client.chat.completions.create(model="m", messages=msgs2, tools=TOOLS, parallel_tool_calls=False)
+            segs = server.close_session(s.id)
+            s = session(server, rec, tok, {"temperature": 0.7, "max_tokens": 64}, 2048)
+            r = await client.with_options(base_url=s.base_url).responses.create(
+                model="m", input="What is 2 + 3?", tools=RTOOLS, parallel_tool_calls=False)
+        async with anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key="k", max_retries=0) as client:
+            a = await client.messages.create(model="m", max_tokens=64, messages=msgs, tools=ATOOLS,
+                                             tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+        server.close_session(s.id)
+        return c, r, a, segs
+    c, r, a, segs = loop.run_until_complete(go())
+    msg = c.choices[0].message
+    assert (c.choices[0].finish_reason, msg.content, len(msg.tool_calls)) == ("tool_calls", second, 1)
+    assert json.loads(msg.tool_calls[0].function.arguments) == {"a": 2, "b": 3}
+    assert len(segs) == 1   # the reply as returned (one call, the rest text) extends the trace
+    check_token_exact(segs, rec.calls[:2])
+    assert [o.type for o in r.output] == ["message", "function_call"] and r.parallel_tool_calls is False
+    assert [b.type for b in a.content] == ["text", "tool_use"] and a.content[0].text == second
 
 
 # ----------------------------------------------------------- client input never gives a 5xx
