@@ -130,7 +130,7 @@ def test_sandbox_holds_against_hostile_snippets(tmp_path):
     snippets = {
         "read": f"for p in {[str(root / 'README.md'), str(secret)]!r}:\n"
                 "    try:\n        print(len(open(p).read()))\n    except OSError as e:\n        print(type(e).__name__)",
-        "listing": "import os\nprint(sorted(os.listdir('/')))",
+        "listing": f"import os\nprint(os.path.exists({str(root)!r}), sorted(os.listdir('/')))",
         "home": f"import os\nprint(os.listdir({str(Path.home())!r}) if os.path.isdir({str(Path.home())!r}) else [])",
         "write": f"for p in {[escape, str(tmp_path / 'planted'), str(root / 'planted'), '/usr/planted']!r}:\n"
                  "    try:\n        open(p, 'w').write('x')\n        print('WROTE', p)\n"
@@ -154,7 +154,10 @@ def test_sandbox_holds_against_hostile_snippets(tmp_path):
         victim.kill()
         victim.wait()
     assert out["read"].split() == ["FileNotFoundError"] * 2   # the project and its data
-    assert root.parts[1] not in out["listing"]
+    exists, listing = out["listing"].split(" ", 1)
+    assert exists == "False"   # the project's folder is not there, wherever the checkout lives
+    # nor its top folder, unless that is one the sandbox makes its own (a checkout under /tmp)
+    assert root.parts[1] not in eval(listing) or root.parts[1] == "tmp"
     # of the home folder, at most the way to a Python install under it (pyenv's)
     assert set(eval(out["home"])) <= {Path(sys.base_prefix).relative_to(Path.home()).parts[0]
                                       if Path(sys.base_prefix).is_relative_to(Path.home()) else None}
