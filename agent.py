@@ -37,12 +37,14 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import asyncio
 import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator
 
+import vision
 from trajectory import (Generate, Trajectory, decode_reply, encode, observation_ids, prompt_messages, render,
                         sample, with_images)
 
@@ -254,6 +256,22 @@ async def run_chat_agent(agent: ChatAgent, row: dict, generate: Generate, tokeni
         seg.reward, seg.info = reward, dict(info)
         seg.score = reward if result.score is None else float(result.score)
     return segments
+
+
+async def run_agent(cfg: dict, agent_cls: type, row: dict, generate, tokenizer, server, sampling: dict,
+                    call=None) -> list:
+    """One rollout of either agent form, within --agent_timeout; returns its segments. `call`
+    runs the agent's own code (an agent thread's `call`; None: in this loop)."""
+    images = vision.image_tokens(cfg["model"])  # None for a text model
+    if issubclass(agent_cls, ChatAgent):
+        run = run_chat_agent(agent_cls(), row, generate, tokenizer, server, sampling=sampling,
+                                    max_len=cfg["max_len"], image_tokens=images, call=call)
+    else:
+        run = run_env(agent_cls(), row, generate, tokenizer, sampling=sampling, max_len=cfg["max_len"],
+                             max_turns=cfg["max_turns"], image_tokens=images,
+                             max_images=cfg["max_images_per_prompt"], call=call)
+    result = await asyncio.wait_for(run, timeout=cfg["agent_timeout"])
+    return result if isinstance(result, list) else [result]
 
 
 def load_agent(path: str) -> type:

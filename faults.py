@@ -1,6 +1,6 @@
 """Faults: a run that is stopped leaves nothing behind, and a stuck agent never hangs the loop.
 
-Stopping (loop.run uses all of this):
+Stopping (launch.run uses all of this):
   - every process of a run carries MOLT_RUN_ID=<id> in its environment (set in the driver
     before Ray starts, so the Ray node, its workers, the vLLM engine cores and their workers
     inherit it; also in the actors' runtime_env for an external cluster). At the end of a run,

@@ -1,7 +1,7 @@
 """The rollout engines: vLLM, token ids in, token ids + sampling logprobs out.
 
 `Generator` wraps one `vllm.v1.engine.async_llm.AsyncLLM`. It runs as a Ray
-actor (loop.py wraps it with `ray.remote`), serves many concurrent requests,
+actor (`start_engines` below wraps it with `ray.remote`), serves many concurrent requests,
 and takes new weights from the trainer without restarting:
 
     ids, logprobs  <- generate(prompt_ids, sampling)        # token-exact

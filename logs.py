@@ -10,7 +10,7 @@ rollouts), the progress bar, the end-of-run `summarize`; and a run's records as 
 (`earlier_records`: what a fresh run refuses to overwrite without --overwrite;
 `complete_checkpoints`: the checkpoints that --resume may use).
 
-The run's flags (config.json in the run folder, written by loop.run) are also
+The run's flags (config.json in the run folder, written by launch.run) are also
 recorded in each backend: TensorBoard hparams + a "config" text, W&B config,
 MLflow params. W&B runs offline by default (--wandb_mode): no network needed,
 `wandb sync RUN_DIR/wandb/offline-run-*` uploads later. MLflow writes to a

@@ -1,6 +1,6 @@
 """The one asynchronous loop: rollouts stream in, the trainer steps, weights flow back.
 
-    ray.init -> Generator actor (vLLM) + Trainer actor (FSDP2)
+    (launch.py: ray.init -> Generator actors (vLLM) + Trainer actors (FSDP2))
     repeat --steps times:
         keep prompt groups generating (a streaming pool, bounded staleness)
         take the first --prompts_per_step groups that finish -> trainer.train_step
@@ -16,18 +16,17 @@ staleness is bounded where it matters, at consumption: a group whose oldest
 sampled token is more than K versions older than the policy it would train (a
 slow group, or a partial rollout's first tokens) is dropped (`dropped/stale`).
 
+Start-up and shutdown are in launch.py, held-out evaluation in evaluation.py.
+
     python main.py --steps 20          # see main.py for every flag
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import itertools
 import json
 import logging
-import os
-import sys
 import time
 import traceback
 from collections import Counter
@@ -35,24 +34,15 @@ from pathlib import Path
 
 import agent as agents
 import data
+import evaluation
 import faults
 import logs
 import trajectory
-import vision
-from generator import Engines, start_engines
+from generator import Engines
 from server import ChatServer
-from logs import complete_checkpoints
-from trainer import TrainerGroup
 
 log = logging.getLogger("molt")
-ROOT = str(Path(__file__).resolve().parent)
 MISMATCH_WARN = 1e-2  # k3 between engine and trainer logprobs; fp32 runs sit near 1e-12
-
-
-def prompt_rows(cfg: dict, agent_cls: type):
-    """Endless rows: --dataset (any format, or reasoning-gym:<task>) reshuffled every epoch, or
-    the agent's own prompts (data.prompt_source)."""
-    yield from data.prompt_source(cfg, agent_cls)
 
 
 class RolloutPool:
@@ -99,7 +89,7 @@ class RolloutPool:
         prefix rewrite); [] if the agent failed."""
         thread = self.threads.take() if self.threads else None
         try:
-            segments = await run_agent(self.cfg, self.agent_cls, row, self.generate.session(), self.tokenizer,
+            segments = await agents.run_agent(self.cfg, self.agent_cls, row, self.generate.session(), self.tokenizer,
                                        self.server, self.sampling(), thread.call if thread else None)
         except asyncio.TimeoutError:
             stuck = thread is not None and thread.blocked_for() > 1.0  # the agent's code blocks its thread
@@ -137,22 +127,6 @@ class RolloutPool:
     def cancel(self):
         for task in list(self.tasks):
             task.cancel()
-
-
-async def run_agent(cfg: dict, agent_cls: type, row: dict, generate, tokenizer, server, sampling: dict,
-                    call=None) -> list:
-    """One rollout of either agent form, within --agent_timeout; returns its segments. `call`
-    runs the agent's own code (an agent thread's `call`; None: in this loop)."""
-    images = vision.image_tokens(cfg["model"])  # None for a text model
-    if issubclass(agent_cls, agents.ChatAgent):
-        run = agents.run_chat_agent(agent_cls(), row, generate, tokenizer, server, sampling=sampling,
-                                    max_len=cfg["max_len"], image_tokens=images, call=call)
-    else:
-        run = agents.run_env(agent_cls(), row, generate, tokenizer, sampling=sampling, max_len=cfg["max_len"],
-                             max_turns=cfg["max_turns"], image_tokens=images,
-                             max_images=cfg["max_images_per_prompt"], call=call)
-    result = await asyncio.wait_for(run, timeout=cfg["agent_timeout"])
-    return result if isinstance(result, list) else [result]
 
 
 def oldest_token(trajectories: list) -> int | None:
@@ -207,65 +181,18 @@ async def collect(pool: RolloutPool, cfg: dict, version: int, first_step: bool, 
     return groups
 
 
-async def evaluate(cfg: dict, client, agent_cls: type, tokenizer, rows: list[dict], server=None,
-                   threads: faults.AgentThreads | None = None) -> dict:
-    """Mean reward, pass@k (a rollout passes when its reward reaches 1) and the mean of each
-    Result.info key (a failed rollout counts 0) on held-out rows."""
-    k = cfg["eval_samples"]
-    sampling = {"temperature": cfg["eval_temperature"], "max_tokens": cfg["max_new_tokens"]}
-    own_threads = threads is None
-    threads = threads or faults.AgentThreads()
-
-    async def one(row):
-        thread = threads.take()
-        try:
-            traj = (await run_agent(cfg, agent_cls, row, client.session(), tokenizer, server, sampling,
-                                    thread.call))[0]
-            return traj.reward, traj.info
-        except Exception as e:  # an eval rollout that fails scores 0, like a wrong answer
-            if client.is_engine_error(e):
-                raise
-            return 0.0, {}
-        finally:
-            threads.give_back(thread)
-
-    own_server = server is None and issubclass(agent_cls, agents.ChatAgent)
-    if own_server:  # --eval_only: no training loop has started one
-        server = ChatServer()
-        await server.start()
-    try:
-        results = await asyncio.gather(*[one(r) for r in rows for _ in range(k)])
-    finally:
-        if own_server:
-            await server.stop()
-        if own_threads:
-            threads.close()
-    rewards = [reward for reward, _ in results]
-    by_row = [rewards[i * k:(i + 1) * k] for i in range(len(rows))]
-    keys = sorted({key for _, info in results for key in info})
-    return {"eval/reward_mean": sum(rewards) / len(rewards),
-            f"eval/pass@{k}": sum(max(r) >= 1.0 for r in by_row) / len(by_row),
-            **{f"eval/info/{key}": sum(info.get(key, 0.0) for _, info in results) / len(results) for key in keys}}
-
-
-def eval_rows(cfg: dict, agent_cls: type) -> list[dict]:
-    if cfg["eval_dataset"]:
-        return data.dataset_rows(cfg, cfg["eval_dataset"])
-    return list(itertools.islice(agent_cls.prompts(cfg["seed"] + 1_000_003), cfg["eval_prompts"]))
-
-
 async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, tokenizer, on_step,
                 start: dict) -> list[dict]:
     """The loop itself, from the state `start` (fresh or a checkpoint). Returns the per-step metrics."""
     out = Path(cfg["output_dir"])
     client = engines
-    rows = itertools.islice(prompt_rows(cfg, agent_cls), start["rows_started"], None)
+    rows = itertools.islice(data.prompt_source(cfg, agent_cls), start["rows_started"], None)
     server = None
     if client is not None and issubclass(agent_cls, agents.ChatAgent):
         server = ChatServer()  # loopback OpenAI/Anthropic endpoint for the agents' SDKs
         await server.start()
     replay = sorted(Path(cfg["replay_rollouts"]).glob("step_*.jsonl")) if cfg["replay_rollouts"] else None
-    held_out = eval_rows(cfg, agent_cls) if cfg["eval_every"] and client else []
+    held_out = evaluation.eval_rows(cfg, agent_cls) if cfg["eval_every"] and client else []
     version = start["version"]  # policy version now in the engine
     history = []
     threads = faults.AgentThreads()  # agent code runs off this loop (a blocking step stalls only its thread)
@@ -315,7 +242,7 @@ async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, to
                 })
             if held_out and (step + 1) % cfg["eval_every"] == 0:
                 faults.set_phase(f"step {step + 1} (eval)")
-                metrics.update(await evaluate(cfg, client, agent_cls, tokenizer, held_out, server, threads))
+                metrics.update(await evaluation.evaluate(cfg, client, agent_cls, tokenizer, held_out, server, threads))
             if metrics.get("mismatch_k3", 0.0) > MISMATCH_WARN and not history:
                 log.warning("engine and trainer disagree on the sampled tokens' logprobs (k3 %.2e). Likely causes: "
                             "different dtypes (bf16 engine vs fp32 trainer), an incomplete weight sync "
@@ -337,124 +264,3 @@ async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, to
         if server is not None:
             await server.stop()
     return history
-
-
-def start_ray(cfg: dict):
-    """Start a private local Ray, or join a running cluster (--ray_address auto|HEAD:6379).
-
-    Every Ray worker, on any node, imports this code from the same absolute path (PYTHONPATH
-    below): on several machines the project and its Python environment must sit at the same
-    path on every node (shared storage, or the same checkout and install.sh on each)."""
-    import ray
-    paths = [ROOT, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]  # absolute: workers run elsewhere
-    env = {"PYTHONPATH": os.pathsep.join(str(Path(p).resolve()) for p in paths if p),
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
-           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-           "VLLM_CONFIGURE_LOGGING": os.environ.get("VLLM_CONFIGURE_LOGGING", "1"),
-           faults.TAG: os.environ[faults.TAG]}  # on a cluster, the actors' tag comes only from here
-    local = {}
-    if cfg["ray_address"] is None:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local cluster
-        # Each trainer rank and engine reserves one CPU in its placement bundle; a small machine
-        # declares that many (they share its cores) so that every layout fits.
-        local["num_cpus"] = max(os.cpu_count() or 1, cfg["train_workers"] + (cfg["num_engines"] or 0))
-    # "local": a new local cluster, never one found in /tmp/ray/ray_current_cluster (a stale file
-    # there made ray.init retry a dead GCS for minutes, deaf to Ctrl-C and SIGTERM)
-    ray.init(address=cfg["ray_address"] or "local", include_dashboard=False, logging_level=logging.WARNING,
-             runtime_env={"env_vars": env}, log_to_driver=cfg["verbose"], **local)
-    faults.catch_stop_signals()  # ray.init sets a SIGTERM handler of its own (sys.exit): ours again
-    return ray
-
-
-def run(cfg: dict) -> dict:
-    """`run_tagged`, guarded (faults.guarded): SIGINT/SIGTERM raise `faults.Stopped`, and no
-    process of the run or interrupted checkpoint outlives it, however it ends."""
-    return faults.guarded(Path(cfg["output_dir"]), lambda: run_tagged(cfg))
-
-
-def run_tagged(cfg: dict) -> dict:
-    """Set up Ray, the engine and the trainer, run the loop, export, summarize."""
-    from transformers import AutoTokenizer
-
-    t0 = time.perf_counter()
-    out = Path(cfg["output_dir"])
-    if cfg["overwrite"]:
-        logs.clear_records(cfg)
-    out.mkdir(parents=True, exist_ok=True)
-    if not cfg["eval_only"]:  # an eval of a finished run must not replace the run's config
-        (out / "config.json").write_text(json.dumps(cfg, indent=1, default=str))
-    agent_cls = agents.load_agent(cfg["agent"])
-    tokenizer = AutoTokenizer.from_pretrained(cfg["model"])
-    start = {"step": 0, "version": 0, "rows_started": 0}
-    resume_from = complete_checkpoints(out)[-1] if cfg["resume"] and complete_checkpoints(out) else None
-    ray = start_ray(cfg)
-    try:
-        engines = None if cfg["replay_rollouts"] else start_engines(cfg)
-        trainer = TrainerGroup(cfg)
-        wait_ready(cfg, [*trainer.ready()] + ([a.warm_up.remote() for a in engines.actors] if engines else []))
-        say_threads(cfg, trainer, engines)
-        if engines is not None:
-            asyncio.run(engines.connect(trainer))
-        if resume_from is not None:
-            start = json.loads((resume_from / "loop.json").read_text())
-            ray.get(trainer.call("load_checkpoint", str(resume_from / "trainer")))
-            if engines is not None:  # the engines start from the checkpoint's weights
-                asyncio.run(engines.update_weights(trainer, start["version"]))
-            logs.keep_metrics(out / "metrics.jsonl", start["step"])
-            log.warning("resumed from %s (step %d)", resume_from, start["step"])
-        setup_s = time.perf_counter() - t0
-
-        if cfg["eval_only"]:
-            scores = asyncio.run(evaluate(cfg, engines, agent_cls, tokenizer,
-                                          eval_rows(cfg, agent_cls)))
-            print(json.dumps(scores))
-            return scores
-        metrics_file = logs.Sinks(cfg, append=resume_from is not None)  # metrics.jsonl + --logger backends
-        bar = logs.progress(cfg, start["step"])
-
-        def on_step(m: dict):
-            metrics_file.log(m)
-            bar.update(1)
-            bar.set_postfix(reward=f"{m['reward_mean']:.3f}", s_per_step=f"{m['step_s']:.2f}",
-                            tok_per_s=f"{m['tokens_per_s']:.0f}", mismatch=f"{m.get('mismatch_k3', 0.0):.1e}")
-
-        gc.freeze()  # start-up objects stay: a full collection would stall the rollouts
-        try:
-            history = asyncio.run(train(cfg, engines, trainer, agent_cls, tokenizer, on_step, start))
-        finally:  # a stopped run's records are closed too (W&B/MLflow runs finished, not left open)
-            bar.close()
-            metrics_file.close()
-        faults.set_phase("export")
-        final = ray.get(trainer.call("export", cfg["export_hf"])) if cfg["export_hf"] else None
-        if engines is not None:
-            engines.shutdown()
-    finally:
-        ray.shutdown()
-    if history and not cfg.get("no_plot"):
-        logs.plot([out], out / "metrics.png")
-    summary = logs.summarize(history, setup_s, time.perf_counter() - t0, out, final)
-    print(summary["text"], file=sys.stderr if cfg["quiet"] else sys.stdout)
-    return summary
-
-
-def say_threads(cfg: dict, trainer, engines) -> None:
-    """Say on stderr the threads each trainer rank and CPU engine computes with (parallel.cpu_threads)."""
-    import ray
-    ranks = ray.get([w.torch_threads.remote() for w in trainer.workers])
-    cpu_engines = [t for t in ray.get([a.omp_threads.remote() for a in engines.actors]) if t] if engines else []
-    how = ("async: trainer and engines compute at once, on shares of the cores" if cfg["async_depth"]
-           else "on-policy: each phase takes the cores while the other waits")
-    print(f"threads: trainer rank(s) {ranks} (torch)" + (f", engine(s) {cpu_engines} (OpenMP)" if cpu_engines else "")
-          + f"; {how}; override with --train_threads / --engine_threads", file=sys.stderr)
-
-
-def wait_ready(cfg: dict, refs: list):
-    """Wait for the actors' start-up (engines: ~15 s each on CPU) behind a progress bar."""
-    import ray
-    from tqdm import tqdm
-    with tqdm(total=len(refs), desc="starting trainer ranks and engines", unit="actor",
-              disable=cfg["quiet"] or not sys.stderr.isatty()) as bar:
-        while refs:
-            ready, refs = ray.wait(refs, num_returns=1)
-            ray.get(ready)  # raises the actor's start-up error, if any
-            bar.update(1)

@@ -1,4 +1,4 @@
-"""Entry point: every flag, every check of flags, then loop.run.
+"""Entry point: every flag, every check of flags, then launch.run.
 
     python main.py                                   # tiny model, built-in task, CPU, minutes
     python main.py --estimator rloo --steps 100
@@ -473,8 +473,8 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = validate(cfg)
     except ValueError as e:
         parser.error(str(e))
-    import loop
-    return loop.run(cfg)
+    import launch
+    return launch.run(cfg)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The policy trainer: a transformers causal LM under FSDP2, one RL step at a time.
 
-`Trainer` runs as a Ray actor (loop.py wraps it with `ray.remote`). Each
+`Trainer` runs as a Ray actor (`TrainerGroup` below wraps it with `ray.remote`). Each
 `train_step(trajectories)`:
 
   1. pads the token-exact trajectories into [B, T] tensors (no re-tokenizing);

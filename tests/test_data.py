@@ -95,9 +95,8 @@ def test_malformed_files(tmp_path):
 def test_dataset_stream_reshuffles_each_epoch_with_the_seed(tmp_path):
     path = _write(tmp_path, "jsonl", [{"prompt": str(i)} for i in range(20)])
     cfg = {"dataset": path, "input_key": "prompt", "label_key": "label", "seed": 3}
-    import loop
-    first = [r["prompt"] for r in itertools.islice(loop.prompt_rows(cfg, None), 40)]
-    again = [r["prompt"] for r in itertools.islice(loop.prompt_rows(cfg, None), 40)]
+    first = [r["prompt"] for r in itertools.islice(data.prompt_source(cfg, None), 40)]
+    again = [r["prompt"] for r in itertools.islice(data.prompt_source(cfg, None), 40)]
     assert first == again                                  # seeded
     assert sorted(first[:20]) == sorted(first[20:]) == sorted(map(str, range(20)))  # whole epochs
     assert first[:20] != first[20:]                        # reshuffled

@@ -225,8 +225,8 @@ def _refused(capsys, argv) -> str:
 
 def test_earlier_records_are_never_overwritten_and_resume_needs_a_complete_checkpoint(capsys, tiny_model, tmp_path,
                                                                                     monkeypatch):
-    import loop
-    monkeypatch.setattr(loop, "run", lambda cfg: pytest.fail("loop.run reached"))  # refused before Ray
+    import launch
+    monkeypatch.setattr(launch, "run", lambda cfg: pytest.fail("launch.run reached"))  # refused before Ray
     out = tmp_path / "run"
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
@@ -320,8 +320,8 @@ def test_signals_and_kill_leave_nothing_behind_and_resume_continues(tiny_model, 
 
     # 2. An earlier run's records stay unless --overwrite; kill -9 of the driver while it trains.
     (out / "metrics.jsonl").write_text('{"step": 1, "earlier_run": true}\n')
-    import loop
-    monkeypatch.setattr(loop, "run", lambda cfg: pytest.fail("loop.run reached"))
+    import launch
+    monkeypatch.setattr(launch, "run", lambda cfg: pytest.fail("launch.run reached"))
     assert "--overwrite" in _refused(capsys, [*common, "--steps", "50"])
     run = Run(tmp_path, [*common, "--steps", "50", "--overwrite"])
     wait_until(lambda: len(metric_lines(out)) >= 2, "second step", proc=run.proc)  # step 1's checkpoint is done

@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _err(capsys, argv, monkeypatch=None):
     if monkeypatch is not None:   # nothing may start: the loop is never reached
-        import loop
-        monkeypatch.setattr(loop, "run", lambda cfg: pytest.fail("loop.run reached"))
+        import launch
+        monkeypatch.setattr(launch, "run", lambda cfg: pytest.fail("launch.run reached"))
     with pytest.raises(SystemExit) as e:
         main.main(argv)
     assert e.value.code == 2

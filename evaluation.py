@@ -1,0 +1,61 @@
+"""Held-out evaluation: mean reward, pass@k and each Result.info key on rows no step trains on
+(--eval_dataset, or the agent's prompts from another seed). loop.train calls it every --eval_every
+steps; `python main.py --eval_only` runs it once on a run's weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import agent as agents
+import data
+import faults
+from server import ChatServer
+
+
+async def evaluate(cfg: dict, client, agent_cls: type, tokenizer, rows: list[dict], server=None,
+                   threads: faults.AgentThreads | None = None) -> dict:
+    """Mean reward, pass@k (a rollout passes when its reward reaches 1) and the mean of each
+    Result.info key (a failed rollout counts 0) on held-out rows."""
+    k = cfg["eval_samples"]
+    sampling = {"temperature": cfg["eval_temperature"], "max_tokens": cfg["max_new_tokens"]}
+    own_threads = threads is None
+    threads = threads or faults.AgentThreads()
+
+    async def one(row):
+        thread = threads.take()
+        try:
+            traj = (await agents.run_agent(cfg, agent_cls, row, client.session(), tokenizer, server, sampling,
+                                    thread.call))[0]
+            return traj.reward, traj.info
+        except Exception as e:  # an eval rollout that fails scores 0, like a wrong answer
+            if client.is_engine_error(e):
+                raise
+            return 0.0, {}
+        finally:
+            threads.give_back(thread)
+
+    own_server = server is None and issubclass(agent_cls, agents.ChatAgent)
+    if own_server:  # --eval_only: no training loop has started one
+        server = ChatServer()
+        await server.start()
+    try:
+        results = await asyncio.gather(*[one(r) for r in rows for _ in range(k)])
+    finally:
+        if own_server:
+            await server.stop()
+        if own_threads:
+            threads.close()
+    rewards = [reward for reward, _ in results]
+    by_row = [rewards[i * k:(i + 1) * k] for i in range(len(rows))]
+    keys = sorted({key for _, info in results for key in info})
+    return {"eval/reward_mean": sum(rewards) / len(rewards),
+            f"eval/pass@{k}": sum(max(r) >= 1.0 for r in by_row) / len(by_row),
+            **{f"eval/info/{key}": sum(info.get(key, 0.0) for _, info in results) / len(results) for key in keys}}
+
+
+def eval_rows(cfg: dict, agent_cls: type) -> list[dict]:
+    if cfg["eval_dataset"]:
+        return data.dataset_rows(cfg, cfg["eval_dataset"])
+    return list(itertools.islice(agent_cls.prompts(cfg["seed"] + 1_000_003), cfg["eval_prompts"]))

@@ -1,0 +1,151 @@
+"""Start-up and shutdown around the loop: Ray, the engines and the trainer, then loop.train,
+then export, plot and summary. `run` is what main.py calls once the flags are checked.
+
+    start_ray -> start_engines + TrainerGroup (concurrently; wait_ready) -> connect weight sync
+    -> resume from the last complete checkpoint (--resume) -> loop.train -> export -> summary
+
+Every process of a run carries its tag (faults.py), so none outlives it however it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import agent as agents
+import evaluation
+import faults
+import logs
+import loop
+from generator import start_engines
+from trainer import TrainerGroup
+
+log = logging.getLogger("molt")
+ROOT = str(Path(__file__).resolve().parent)
+
+
+def start_ray(cfg: dict):
+    """Start a private local Ray, or join a running cluster (--ray_address auto|HEAD:6379).
+
+    Every Ray worker, on any node, imports this code from the same absolute path (PYTHONPATH
+    below): on several machines the project and its Python environment must sit at the same
+    path on every node (shared storage, or the same checkout and install.sh on each)."""
+    import ray
+    paths = [ROOT, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]  # absolute: workers run elsewhere
+    env = {"PYTHONPATH": os.pathsep.join(str(Path(p).resolve()) for p in paths if p),
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+           "VLLM_CONFIGURE_LOGGING": os.environ.get("VLLM_CONFIGURE_LOGGING", "1"),
+           faults.TAG: os.environ[faults.TAG]}  # on a cluster, the actors' tag comes only from here
+    local = {}
+    if cfg["ray_address"] is None:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local cluster
+        # Each trainer rank and engine reserves one CPU in its placement bundle; a small machine
+        # declares that many (they share its cores) so that every layout fits.
+        local["num_cpus"] = max(os.cpu_count() or 1, cfg["train_workers"] + (cfg["num_engines"] or 0))
+    # "local": a new local cluster, never one found in /tmp/ray/ray_current_cluster (a stale file
+    # there made ray.init retry a dead GCS for minutes, deaf to Ctrl-C and SIGTERM)
+    ray.init(address=cfg["ray_address"] or "local", include_dashboard=False, logging_level=logging.WARNING,
+             runtime_env={"env_vars": env}, log_to_driver=cfg["verbose"], **local)
+    faults.catch_stop_signals()  # ray.init sets a SIGTERM handler of its own (sys.exit): ours again
+    return ray
+
+
+def run(cfg: dict) -> dict:
+    """`run_tagged`, guarded (faults.guarded): SIGINT/SIGTERM raise `faults.Stopped`, and no
+    process of the run or interrupted checkpoint outlives it, however it ends."""
+    return faults.guarded(Path(cfg["output_dir"]), lambda: run_tagged(cfg))
+
+
+def run_tagged(cfg: dict) -> dict:
+    """Set up Ray, the engine and the trainer, run the loop, export, summarize."""
+    from transformers import AutoTokenizer
+
+    t0 = time.perf_counter()
+    out = Path(cfg["output_dir"])
+    if cfg["overwrite"]:
+        logs.clear_records(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    if not cfg["eval_only"]:  # an eval of a finished run must not replace the run's config
+        (out / "config.json").write_text(json.dumps(cfg, indent=1, default=str))
+    agent_cls = agents.load_agent(cfg["agent"])
+    tokenizer = AutoTokenizer.from_pretrained(cfg["model"])
+    start = {"step": 0, "version": 0, "rows_started": 0}
+    resume_from = logs.complete_checkpoints(out)[-1] if cfg["resume"] and logs.complete_checkpoints(out) else None
+    ray = start_ray(cfg)
+    try:
+        engines = None if cfg["replay_rollouts"] else start_engines(cfg)
+        trainer = TrainerGroup(cfg)
+        wait_ready(cfg, [*trainer.ready()] + ([a.warm_up.remote() for a in engines.actors] if engines else []))
+        say_threads(cfg, trainer, engines)
+        if engines is not None:
+            asyncio.run(engines.connect(trainer))
+        if resume_from is not None:
+            start = json.loads((resume_from / "loop.json").read_text())
+            ray.get(trainer.call("load_checkpoint", str(resume_from / "trainer")))
+            if engines is not None:  # the engines start from the checkpoint's weights
+                asyncio.run(engines.update_weights(trainer, start["version"]))
+            logs.keep_metrics(out / "metrics.jsonl", start["step"])
+            log.warning("resumed from %s (step %d)", resume_from, start["step"])
+        setup_s = time.perf_counter() - t0
+
+        if cfg["eval_only"]:
+            scores = asyncio.run(evaluation.evaluate(cfg, engines, agent_cls, tokenizer,
+                                                     evaluation.eval_rows(cfg, agent_cls)))
+            print(json.dumps(scores))
+            return scores
+        metrics_file = logs.Sinks(cfg, append=resume_from is not None)  # metrics.jsonl + --logger backends
+        bar = logs.progress(cfg, start["step"])
+
+        def on_step(m: dict):
+            metrics_file.log(m)
+            bar.update(1)
+            bar.set_postfix(reward=f"{m['reward_mean']:.3f}", s_per_step=f"{m['step_s']:.2f}",
+                            tok_per_s=f"{m['tokens_per_s']:.0f}", mismatch=f"{m.get('mismatch_k3', 0.0):.1e}")
+
+        gc.freeze()  # start-up objects stay: a full collection would stall the rollouts
+        try:
+            history = asyncio.run(loop.train(cfg, engines, trainer, agent_cls, tokenizer, on_step, start))
+        finally:  # a stopped run's records are closed too (W&B/MLflow runs finished, not left open)
+            bar.close()
+            metrics_file.close()
+        faults.set_phase("export")
+        final = ray.get(trainer.call("export", cfg["export_hf"])) if cfg["export_hf"] else None
+        if engines is not None:
+            engines.shutdown()
+    finally:
+        ray.shutdown()
+    if history and not cfg.get("no_plot"):
+        logs.plot([out], out / "metrics.png")
+    summary = logs.summarize(history, setup_s, time.perf_counter() - t0, out, final)
+    print(summary["text"], file=sys.stderr if cfg["quiet"] else sys.stdout)
+    return summary
+
+
+def say_threads(cfg: dict, trainer, engines) -> None:
+    """Say on stderr the threads each trainer rank and CPU engine computes with (parallel.cpu_threads)."""
+    import ray
+    ranks = ray.get([w.torch_threads.remote() for w in trainer.workers])
+    cpu_engines = [t for t in ray.get([a.omp_threads.remote() for a in engines.actors]) if t] if engines else []
+    how = ("async: trainer and engines compute at once, on shares of the cores" if cfg["async_depth"]
+           else "on-policy: each phase takes the cores while the other waits")
+    print(f"threads: trainer rank(s) {ranks} (torch)" + (f", engine(s) {cpu_engines} (OpenMP)" if cpu_engines else "")
+          + f"; {how}; override with --train_threads / --engine_threads", file=sys.stderr)
+
+
+def wait_ready(cfg: dict, refs: list):
+    """Wait for the actors' start-up (engines: ~15 s each on CPU) behind a progress bar."""
+    import ray
+    from tqdm import tqdm
+    with tqdm(total=len(refs), desc="starting trainer ranks and engines", unit="actor",
+              disable=cfg["quiet"] or not sys.stderr.isatty()) as bar:
+        while refs:
+            ready, refs = ray.wait(refs, num_returns=1)
+            ray.get(ready)  # raises the actor's start-up error, if any
+            bar.update(1)
