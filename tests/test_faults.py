@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import faults
+import logs
 import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -332,7 +333,7 @@ def test_signals_and_kill_leave_nothing_behind_and_resume_continues(tiny_model, 
 
     # 3. The next --resume starts cleanly; Ctrl-C (SIGINT to the process group) once it has
     # trained a step: one line, 130, only complete checkpoints, metrics continuous.
-    resumed_at = json.loads((loop.complete_checkpoints(out)[-1] / "loop.json").read_text())["step"]
+    resumed_at = json.loads((logs.complete_checkpoints(out)[-1] / "loop.json").read_text())["step"]
     run = Run(tmp_path, [*common, "--steps", "50", "--resume"])
     wait_until(lambda: "resumed from" in run.stderr() and metric_lines(out)[-1]["step"] > resumed_at,
                "a step after the resume", proc=run.proc)  # the message comes after old lines are cut
@@ -343,7 +344,7 @@ def test_signals_and_kill_leave_nothing_behind_and_resume_continues(tiny_model, 
     assert not nothing_left(run.tag)
     steps = [m["step"] for m in metric_lines(out)]
     assert steps == list(range(1, len(steps) + 1)) and steps[-1] > resumed_at
-    assert not list((out / "checkpoints").glob("*.tmp")) and loop.complete_checkpoints(out)
+    assert not list((out / "checkpoints").glob("*.tmp")) and logs.complete_checkpoints(out)
 
 
 def test_reap_takes_the_children_a_known_process_started_after_the_snapshot():

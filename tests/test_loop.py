@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 import estimators
 import fakes
+import logs
 import main
 
 FLAKY_AGENT = '''
@@ -78,7 +79,6 @@ def test_async_partial_rollout_checkpoint_resume_and_replay(tiny_model, tmp_path
     """Async depth 1 with partial rollout, filtering and eval; a checkpoint per step; then
     a resumed run continues where the first stopped; then the dumped batches retrain
     without an engine. Weights go by broadcast (gloo), to two engines in the first run."""
-    import loop
     out, dump = tmp_path / "run", tmp_path / "dump"
     common = ["--model", tiny_model, "--output_dir", str(out), *SMALL, "--export_hf", "none",
               "--weight_sync", "broadcast"]
@@ -88,21 +88,21 @@ def test_async_partial_rollout_checkpoint_resume_and_replay(tiny_model, tmp_path
     assert [m["step"] for m in lines] == [1, 2]
     assert lines[0]["staleness"] == 0.0 and "eval/pass@1" in lines[1]
     assert all(m["mismatch_fresh_abs"] < 1e-4 for m in lines if "mismatch_fresh_abs" in m)
-    ckpts = loop.complete_checkpoints(out)
+    ckpts = logs.complete_checkpoints(out)
     assert [c.name for c in ckpts] == ["step_000002"]  # retention kept the last one
     state = json.loads((ckpts[0] / "loop.json").read_text())
     assert state["step"] == 2 and state["version"] == 2 and state["rows_started"] >= 8
 
     # A checkpoint that died mid-write (no rename) is ignored.
     (out / "checkpoints" / "step_000003.tmp").mkdir()
-    assert loop.complete_checkpoints(out) == ckpts
+    assert logs.complete_checkpoints(out) == ckpts
 
     main.main([*common, "--steps", "3", "--resume", "--save_every", "1"])
     lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3]
     assert lines[2]["version"] == 3 and lines[2]["staleness"] == 0.0
     assert lines[2]["mismatch_abs"] < 1e-4  # the engine got the checkpoint's weights
-    state = json.loads((loop.complete_checkpoints(out)[-1] / "loop.json").read_text())
+    state = json.loads((logs.complete_checkpoints(out)[-1] / "loop.json").read_text())
     assert state["step"] == 3 and state["rows_started"] > 8  # data position moved on, not restarted
 
     summary = main.main(["--model", tiny_model, "--output_dir", str(tmp_path / "replay"), *SMALL,
