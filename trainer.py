@@ -3,7 +3,8 @@
 `Trainer` runs as a Ray actor (`TrainerGroup` below wraps it with `ray.remote`). Each
 `train_step(trajectories)`:
 
-  1. pads the token-exact trajectories into [B, T] tensors (no re-tokenizing);
+  1. pads the token-exact trajectories into [B, T] tensors (no re-tokenizing) and splits
+     them into this rank's micro-batches (batches.py);
   2. recomputes the logprobs of the sampled tokens under the current weights
      (`old_logprobs`) and logs how far they are from the engine's sampling
      logprobs (the train/rollout mismatch);
@@ -11,10 +12,9 @@
   4. for each micro-batch: forward, policy loss (losses.py) normalized by the
      action tokens of the whole step, backward; then clip and step the optimizer.
 
-`weights_blob()` returns the full state dict as safetensors bytes for the
-generator (`--weight_sync ray`); `broadcast_weights()` sends it from rank 0
-into the engines' workers over a process group (`--weight_sync broadcast`). `build_tiny_model` makes the default random-init model and its
-offline character tokenizer.
+The weights go to the engines through `sync.WeightSender`, checkpoints through
+`checkpoint.Checkpoints` (both bases of `Trainer`).
+`build_tiny_model` makes the default random-init model and its offline character tokenizer.
 
     python -c "import trainer; trainer.build_tiny_model('/tmp/tiny')"
 """
@@ -29,13 +29,15 @@ import shutil
 import time
 from pathlib import Path
 
-import safetensors.torch
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+import batches
+import checkpoint
 import estimators
 import losses
 import parallel
+import sync
 import vision
 
 TINY_SPECIALS = ["<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
@@ -80,52 +82,6 @@ def needs_reference(cfg: dict) -> bool:
     """A frozen reference model is loaded only when something uses it."""
     return (estimators.ESTIMATORS[cfg["estimator"]].teacher
             or (cfg["kl_coef"] > 0 and (cfg["kl_loss"] or cfg["kl_in_reward"])))
-
-
-def collate(trajectories: list[dict], pad_id: int, multiple: int = 1) -> dict[str, torch.Tensor]:
-    """Right-pad trajectories; every [B, T] tensor is aligned to *predicted*
-    tokens: position t holds token t+1 and what is known about it. T is rounded
-    up to a multiple of `multiple` (the CP degree). An optional "routing" field
-    ([len(tokens)][layers][k] expert ids recorded at sampling) becomes
-    "routing" [B, T, layers, k], aligned to the input positions."""
-    T = -(-(max(len(t["tokens"]) for t in trajectories) - 1) // multiple) * multiple + 1
-
-    def pad(key, value, dtype):
-        return torch.tensor([t[key] + [value] * (T - len(t[key])) for t in trajectories], dtype=dtype)
-
-    tokens = pad("tokens", pad_id, torch.long)                # [B, T+1]
-    batch = {
-        "input_ids": tokens[:, :-1],                          # [B, T]
-        "targets": tokens[:, 1:],                             # [B, T]
-        "lengths": torch.tensor([len(t["tokens"]) - 1 for t in trajectories]),  # [B] real positions
-        "mask": pad("mask", 0, torch.float32)[:, 1:],         # [B, T] 1 = sampled by the policy
-        "rollout_logprobs": pad("logprobs", 0.0, torch.float32)[:, 1:],
-        "versions": pad("versions", -1, torch.long)[:, 1:],
-        "rewards": torch.tensor([t["reward"] for t in trajectories], dtype=torch.float32),
-        "groups": torch.tensor([t["group"] for t in trajectories], dtype=torch.long),
-        "rollout_ids": torch.tensor([t["rollout_id"] for t in trajectories], dtype=torch.long),
-    }
-    if any(t.get("images") for t in trajectories):              # a VLM's rows: images in pad order
-        batch["images"] = [list(t.get("images") or []) for t in trajectories]
-    if all(t.get("routing") is not None for t in trajectories):
-        L, k = len(trajectories[0]["routing"][0]), len(trajectories[0]["routing"][0][0])
-        routing = torch.zeros(len(trajectories), T, L, k, dtype=torch.long)   # [B, T, layers, k]
-        for i, t in enumerate(trajectories):
-            r = torch.tensor(t["routing"], dtype=torch.long)[:T]
-            routing[i, :len(r)] = r
-        batch["routing"] = routing
-    return batch
-
-
-def split_rows(rows: torch.Tensor, cost: torch.Tensor, n: int) -> list[torch.Tensor]:
-    """Greedy split of `rows` into n parts of near-equal cost (largest first); order kept inside."""
-    parts: list[list[int]] = [[] for _ in range(n)]
-    loads = [0] * n
-    for j in sorted(range(len(rows)), key=lambda j: -int(cost[j])):
-        i = loads.index(min(loads))
-        parts[i].append(j)
-        loads[i] += int(cost[j])
-    return [rows[sorted(p)] for p in parts]
 
 
 def load_model(path: str) -> torch.nn.Module:
@@ -177,7 +133,7 @@ class ValueModel(torch.nn.Module):
         return self.head(hidden.float()).squeeze(-1)                      # [b, T]: V before token t+1
 
 
-class Trainer:
+class Trainer(sync.WeightSender, checkpoint.Checkpoints):
     """One trainer rank. `cfg` is the dict of main.py's flags.
 
     Models: the policy (trained), a frozen reference (only when a KL term or
@@ -269,92 +225,31 @@ class Trainer:
             torch.distributed.all_reduce(x, group=g)
         return x.cpu()
 
-    # ---- micro-batches --------------------------------------------------------------------
-    def _micro_batches(self, rows: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
-        """Split rows into micro-batches by --micro_batch_tokens (tokens in the compute:
-        packed = sum of lengths, padded = rows x longest) or else --micro_batch_size rows."""
-        budget = self.cfg.get("micro_batch_tokens")
-        if not budget:
-            return list(rows.split(self.cfg["micro_batch_size"]))
-        out, cur = [], []
-        for r in rows.tolist():
-            nxt = cur + [r]
-            cost = (sum(int(lengths[i]) for i in nxt) if self.cfg.get("packing")
-                    else len(nxt) * max(int(lengths[i]) for i in nxt))
-            if cur and cost > budget:
-                out.append(torch.tensor(cur))
-                nxt = [r]
-            cur = nxt
-        return out + ([torch.tensor(cur)] if cur else [])
-
-    def _plan(self, rows: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
-        """This rank's micro-batches of `rows` (one optimizer step): rows split across data
-        ranks by tokens, then into micro-batches; padded with empty ones to the max count."""
-        parts = split_rows(rows, lengths[rows], self.dims.dp_shard)
-        per_rank = [self._micro_batches(p, lengths) for p in parts]
-        n = max(len(m) for m in per_rank)
-        mine = per_rank[self.dims.dp_rank]
-        return mine + [rows[:0]] * (n - len(mine))
-
     def _inputs(self, batch: dict, mb: torch.Tensor) -> dict:
-        """Model inputs of a micro-batch and how to put outputs back on the [b, T] grid.
-
-        padded: [b, Tm] rows (Tm = longest row, a multiple of cp), each CP rank takes one
-        contiguous chunk of positions. packed: one [1, N] row, position ids reset per sample
-        and a block-diagonal causal mask (no attention across samples, no padding)."""
+        """Model inputs of a micro-batch on this rank's device (batches.layout), a VLM's
+        pixel inputs added."""
         real = len(mb) > 0
         idx = mb if real else torch.tensor([0])    # an empty micro-batch runs a zero-weight row
-        L, T = batch["lengths"][idx], batch["input_ids"].shape[1]
-        routing = batch.get("routing") if self.cfg.get("routing_replay") else None
-        cols = torch.arange(T)
-        if self.cfg.get("packing"):
-            r = torch.arange(len(idx)).repeat_interleave(L)                        # [N] row of each token
-            pos = torch.cat([torch.arange(int(l)) for l in L])                     # [N] reset per sample
-            rows_g = idx[r]
-            seg_same = r[:, None] == r[None, :]
-            attn = (seg_same & torch.ones(len(r), len(r), dtype=torch.bool).tril())[None, None]  # [1, 1, N, N]
-            inp = {"input_ids": batch["input_ids"][rows_g, pos][None], "position_ids": pos[None],
-                   "attention_mask": attn}
-            tgt = batch["targets"][rows_g, pos][None]                              # [1, N]
-            rep = routing[rows_g, pos] if routing is not None else None            # [N, layers, k]
-
-            def unpack(x):                                                         # [1, N] -> [b, T]
-                out = torch.zeros(len(idx), T, dtype=x.dtype)
-                out[r, pos] = x[0].cpu()
-                return out
-            own = cols[None, :] < L[:, None]
-        else:
-            cp, c = self.dims.cp, self.dims.cp_rank
-            Tm = -(-int(L.max()) // cp) * cp
-            c0, c1 = c * Tm // cp, (c + 1) * Tm // cp
-            inp = {"input_ids": batch["input_ids"][idx, c0:c1]}
-            if self.image_processor is not None:  # whole rows (CP and packing are refused for VLMs)
-                images = batch.get("images") or [[] for _ in range(len(batch["input_ids"]))]
-                rows_images = [images[i] for i in idx.tolist()]
-                if self.dims.dp_shard > 1 and not any(rows_images):
-                    # Every rank must run the FSDP-sharded vision blocks (their collectives): add a
-                    # row showing a blank image; _forward drops its outputs.
-                    ids, n = self.dummy_image_ids, inp["input_ids"].shape[1]
-                    row = torch.tensor((ids + [self.pad_id] * n)[:max(n, len(ids))])[None]
-                    inp["input_ids"] = torch.cat([torch.nn.functional.pad(inp["input_ids"], (0, row.shape[1] - n),
-                                                                          value=self.pad_id), row])
-                    rows_images = rows_images + [[self.dummy_image]]
-                inp.update(vision.mm_forward_kwargs(inp["input_ids"], rows_images,
-                                                    self.image_processor, self.image_token_id))
-            elif batch.get("images"):
-                raise ValueError("trajectories with images, but the policy has no vision tower")
-            if cp > 1:
-                inp["position_ids"] = torch.arange(c0, c1)[None].expand(len(idx), -1)
-            tgt = batch["targets"][idx, c0:c1]
-            rep = routing[idx, c0:c1].flatten(0, 1) if routing is not None else None
-
-            def unpack(x):                                                         # [b, c1-c0] -> [b, T]
-                out = torch.zeros(len(idx), T, dtype=x.dtype)
-                out[:, c0:c1] = x.cpu()
-                return out
-            own = (cols[None, :] < L[:, None]) & (cols >= c0) & (cols < c1)
-        return {"idx": idx, "inputs": {k: v.to(self.device) for k, v in inp.items()}, "targets": tgt.to(self.device),
-                "unpack": unpack, "own": own & real, "replay": rep}
+        x = batches.layout(batch, idx, self.cfg.get("packing"), self.dims.cp, self.dims.cp_rank,
+                           self.cfg.get("routing_replay"))
+        inp = x["inputs"]
+        if self.image_processor is not None:  # whole rows (CP and packing are refused for VLMs)
+            images = batch.get("images") or [[] for _ in range(len(batch["input_ids"]))]
+            rows_images = [images[i] for i in idx.tolist()]
+            if self.dims.dp_shard > 1 and not any(rows_images):
+                # Every rank must run the FSDP-sharded vision blocks (their collectives): add a
+                # row showing a blank image; _forward drops its outputs.
+                ids, n = self.dummy_image_ids, inp["input_ids"].shape[1]
+                row = torch.tensor((ids + [self.pad_id] * n)[:max(n, len(ids))])[None]
+                inp["input_ids"] = torch.cat([torch.nn.functional.pad(inp["input_ids"], (0, row.shape[1] - n),
+                                                                      value=self.pad_id), row])
+                rows_images = rows_images + [[self.dummy_image]]
+            inp.update(vision.mm_forward_kwargs(inp["input_ids"], rows_images,
+                                                self.image_processor, self.image_token_id))
+        elif batch.get("images"):
+            raise ValueError("trajectories with images, but the policy has no vision tower")
+        return {**x, "idx": idx, "inputs": {k: v.to(self.device) for k, v in inp.items()},
+                "targets": x["targets"].to(self.device), "own": x["own"] & real}
 
     def _forward(self, model, x: dict, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logprobs of the targets [b, T], entropy [b, T] or None) under `model`, on the grid."""
@@ -366,18 +261,18 @@ class Trainer:
         else:
             lp, ent = losses.token_logprobs(logits, x["targets"]), (losses.entropy(logits) if entropy else None)
         # Keep autograd: unpack with a differentiable scatter onto the grid.
-        grid = lambda v: _scatter(v, x, self.device)
+        grid = lambda v: batches.scatter(v, x, self.device)
         return grid(lp), (grid(ent) if entropy else None)
 
     def _values(self, x: dict) -> torch.Tensor:
         b, n = x["targets"].shape
-        return _scatter(self.critic(**x["inputs"])[:b, :n], x, self.device)  # less any dummy image row
+        return batches.scatter(self.critic(**x["inputs"])[:b, :n], x, self.device)  # less any dummy image row
 
     @torch.no_grad()
     def compute_logprobs(self, trajectories: list[dict]) -> list[list[float]]:
         """Trainer logprobs of each trajectory's tokens (position t scores token t+1).
         With several ranks every rank must be called with the same trajectories."""
-        batch = collate(trajectories, self.pad_id, self.dims.cp)
+        batch = batches.collate(trajectories, self.pad_id, self.dims.cp)
         old = self._score(batch, ref=False, values=False)["old"]
         return [row[:len(t["tokens"]) - 1] for row, t in zip(old.tolist(), trajectories)]
 
@@ -390,7 +285,7 @@ class Trainer:
         B = batch["mask"].shape[0]
         keys = ("old", "entropy", "ref", "values")
         out = {k: torch.zeros_like(batch["mask"]) for k in keys}
-        for mb in self._plan(torch.arange(B), batch["lengths"]):
+        for mb in batches.plan(self.cfg, self.dims, torch.arange(B), batch["lengths"]):
             x = self._inputs(batch, mb)
             own, i = x["own"], x["idx"]
             lp, ent = self._forward(self.model, x, entropy=True)
@@ -407,7 +302,7 @@ class Trainer:
     def train_step(self, trajectories: list[dict]) -> dict:
         t0 = time.perf_counter()
         cfg = self.cfg
-        batch = collate(trajectories, self.pad_id, self.dims.cp)
+        batch = batches.collate(trajectories, self.pad_id, self.dims.cp)
         mask, rewards = batch["mask"], batch["rewards"]
         if cfg["reward_clip"] is not None:
             rewards = rewards.clamp(-cfg["reward_clip"], cfg["reward_clip"])
@@ -444,7 +339,7 @@ class Trainer:
             order = torch.randperm(B, generator=shuffle) if cfg["mini_batches"] > 1 else torch.arange(B)
             for rows in order.tensor_split(cfg["mini_batches"]):  # exactly --mini_batches parts (chunk may give fewer)
                 step_tokens, step_rows = mask[rows].sum().clamp(min=1), len(rows)
-                for mb in self._plan(rows, batch["lengths"]):
+                for mb in batches.plan(self.cfg, self.dims, rows, batch["lengths"]):
                     x = self._inputs(batch, mb)
                     parts = self._micro_loss(batch, x, old, ref, advantages, weights, step_tokens, step_rows)
                     if self.critic is not None:
@@ -547,55 +442,6 @@ class Trainer:
             sd.pop("lm_head.weight", None)  # the engine ties it to the embedding itself
         return sd
 
-    def sync_state_dict(self) -> dict[str, torch.Tensor]:
-        """What the engine receives: checkpoint names vLLM's load_weights takes (MoE experts
-        per expert: experts.{e}.gate_proj/up_proj/down_proj.weight), frozen weights (router,
-        vision tower) left out."""
-        out = {}
-        for k, v in self.full_state_dict().items():
-            if k.endswith("mlp.experts.gate_up_proj"):        # [E, 2I, H]
-                base, inter = k[:-len("gate_up_proj")], v.shape[1] // 2
-                for e in range(v.shape[0]):
-                    out[f"{base}{e}.gate_proj.weight"] = v[e, :inter]
-                    out[f"{base}{e}.up_proj.weight"] = v[e, inter:]
-            elif k.endswith("mlp.experts.down_proj"):         # [E, H, I]
-                for e in range(v.shape[0]):
-                    out[f"{k[:-len('down_proj')]}{e}.down_proj.weight"] = v[e]
-            elif k in self.frozen:
-                continue                                      # never changes: nothing to send
-            else:
-                out[k] = v
-        return out
-
-    def weights_blob(self) -> bytes:
-        """Full weights as safetensors bytes, in the checkpoint names vLLM loads."""
-        return safetensors.torch.save({k: v.contiguous() for k, v in self.sync_state_dict().items()})
-
-    def weight_sync_address(self) -> tuple[str, int]:
-        """Where rank 0 hosts the broadcast group's store: its own node's IP and a port free there
-        (Engines.connect asks rank 0 itself, so the address is right on any node)."""
-        import ray
-        return ray.util.get_node_ip_address(), parallel.free_port()
-
-    def join_weight_sync(self, host: str, port: int, world: int):
-        if self.dims.rank == 0:
-            import generator
-            self.sync_group = generator.weight_sync_group(host, port, 0, world, self.device)
-
-    def broadcast_weights(self) -> int:
-        """Send the weights to every engine worker (they must be receiving). Every rank must
-        call it (the full state dict is gathered); rank 0 sends. Returns bytes sent."""
-        import generator
-        weights = self.sync_state_dict()
-        if self.dims.rank != 0:
-            return 0
-        return generator.send_weights(self.sync_group, weights, self.cfg["sync_bucket_mb"] << 20, self.device)
-
-    def weight_names(self) -> list[str]:
-        """Names in every weights_blob (for --check_weight_sync: the engine compares them with
-        its own parameters). Every rank must call it."""
-        return sorted(self.sync_state_dict())
-
     def export(self, path: str) -> str:
         """Write a save_pretrained folder (model + tokenizer) that vLLM and transformers load."""
         sd = self.full_state_dict()
@@ -622,95 +468,6 @@ class Trainer:
         return torch.get_num_threads()
 
     # ---- checkpoints ------------------------------------------------------------------------
-    def _ckpt_state(self) -> tuple[dict, dict]:
-        """(what DCP saves/loads, the state dicts it views). MoE experts appear one entry per
-        expert (`_split_experts`), views of this rank's rows, so a load fills them in place."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-        dicts = {"model": get_state_dict(self.model, self.optimizer)}
-        if self.critic is not None:
-            dicts["critic"] = get_state_dict(self.critic, self.critic_optimizer)
-        state = {"version": torch.tensor(self.version)}
-        for name, (msd, osd) in dicts.items():   # keys: model, optim, critic, critic_optim
-            state[name] = _split_experts(msd, self.dims)
-            state[OPTIM_KEY[name]] = _split_experts(osd, self.dims)
-        return state, dicts
-
-    def save_checkpoint(self, path: str) -> str:
-        """Model, optimizer, critic (+ its optimizer) and version with torch.distributed.checkpoint:
-        every rank writes its own shards (all ranks must call it). The checkpoint does not depend
-        on the layout: DTensors reshard on load, MoE experts are stored one per expert, so it
-        resumes under other --train_workers / --tp_size / --ep_size."""
-        import torch.distributed.checkpoint as dcp
-        dcp.save(self._ckpt_state()[0], checkpoint_id=path)
-        return path
-
-    def load_checkpoint(self, path: str) -> int:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-        state, dicts = self._ckpt_state()
-        dcp.load(state, checkpoint_id=path)
-        for name, module, optimizer in (("model", self.model, self.optimizer),
-                                        ("critic", self.critic, self.critic_optimizer)):
-            if name in dicts:  # the views were filled in place; param_groups come from the checkpoint
-                msd, osd = dicts[name]
-                groups = state[OPTIM_KEY[name]]["param_groups"]
-                set_state_dict(module, optimizer, model_state_dict=msd,
-                               optim_state_dict={"state": osd["state"], "param_groups": groups})
-        self.version = int(state["version"])
-        return self.version
-
-
-def _scatter(v: torch.Tensor, x: dict, device) -> torch.Tensor:
-    """Differentiable put of a micro-batch output ([b, n] padded chunk or [1, N] packed) on
-    the [b, T] grid of its rows (zeros elsewhere)."""
-    probe = x["unpack"](torch.arange(1, v.numel() + 1, dtype=torch.long).view_as(v))  # where each value goes
-    where = probe.to(device).flatten()
-    flat = torch.cat([torch.zeros(1, dtype=v.dtype, device=v.device), v.flatten()])
-    return flat[where].view(probe.shape)
-
-
-OPTIM_KEY = {"model": "optim", "critic": "critic_optim"}
-EXPERT_PARAMS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")  # fused [E, ...] (transformers 5)
-
-
-def _expert_rows(v: torch.Tensor, dims: parallel.ParallelDims) -> tuple[torch.Tensor, int]:
-    """This rank's rows of a fused expert tensor and the global id of its first row. FSDP shards
-    dim 0 (whole experts; torch.chunk sizes); under EP the tensor is this EP rank's E/ep block."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    first = dims.ep_mesh["ep"].get_local_rank() * v.shape[0] if dims.ep > 1 else 0
-    if isinstance(v, DTensor):
-        if not all(p == Shard(0) or isinstance(p, Replicate) for p in v.placements):
-            raise ValueError(f"expert weights sharded as {v.placements}: checkpoints expect whole experts per rank")
-        _, offset = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
-        first, v = first + offset[0], v.to_local()
-    return v, first
-
-
-def _split_experts(sd: dict, dims: parallel.ParallelDims) -> dict:
-    """A model or optimizer state dict with each fused expert tensor replaced by one entry per
-    expert, named by its global id ("...mlp.experts.down_proj[3]"): the same keys and shapes
-    whatever --ep_size / --train_workers split the experts, so DCP reloads them under any layout
-    (the other weights are DTensors, which DCP reshards). Entries are views of the local rows."""
-    def split(key: str, v: torch.Tensor) -> dict:
-        rows, first = _expert_rows(v, dims)
-        return {f"{key}[{first + j}]": rows[j] for j in range(rows.shape[0])}
-
-    if "state" in sd and "param_groups" in sd:  # an optimizer state dict: split each state tensor alike
-        state = {}
-        for key, st in sd["state"].items():
-            if not key.endswith(EXPERT_PARAMS):
-                state[key] = st
-                continue
-            parts = {n: split(key, t) if torch.is_tensor(t) and t.dim() > 0 else t for n, t in st.items()}
-            ids = next(p for p in parts.values() if isinstance(p, dict))
-            for e in ids:   # scalar entries ("step") are shared by the experts of one tensor
-                state[e] = {n: p[e] if isinstance(p, dict) else p for n, p in parts.items()}
-        return {"state": state, "param_groups": sd["param_groups"]}
-    out = {}
-    for key, v in sd.items():
-        out.update(split(key, v) if key.endswith(EXPERT_PARAMS) else {key: v})
-    return out
 
 
 class TrainerGroup:
@@ -804,9 +561,3 @@ def check_shared_storage(facts: list[dict], markers: list[str]) -> None:
                     f"node ({f['ip']}): checkpoints are written by every trainer rank and the export by rank 0, "
                     "so on several machines it must be shared storage (NFS, a cloud-bucket mount) mounted at the "
                     "same path on the driver and every trainer node")
-
-
-def split_balanced(trajectories: list[dict], n: int) -> list[list[dict]]:
-    """Greedy split into n parts of near-equal token count (longest first)."""
-    lengths = torch.tensor([len(t["tokens"]) for t in trajectories])
-    return [[trajectories[i] for i in p.tolist()] for p in split_rows(torch.arange(len(trajectories)), lengths, n)]

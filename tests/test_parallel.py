@@ -14,10 +14,12 @@ Also: routing replay, --freeze_router, DCP checkpoints and invalid layouts.
 import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import batches
 from test_engine import trainer_cfg
 
 TOL = 2e-5      # fp32: max |difference| of losses and of every updated weight
@@ -220,6 +222,18 @@ def test_layouts_world4(tiny_model, tiny_moe, references, tmp_path):
         _compare(r, *references["moe" if name.startswith("moe") else "dense"], name)
 
 
+def test_micro_batches_by_rows_or_tokens_and_every_rank_runs_as_many():
+    rows, lengths = torch.arange(4), torch.tensor([5, 3, 4, 2])
+    split = lambda **cfg: [m.tolist() for m in batches.micro_batches({"micro_batch_size": 3, **cfg}, rows, lengths)]
+    assert split() == [[0, 1, 2], [3]]
+    assert split(micro_batch_tokens=8) == [[0], [1, 2], [3]]               # padded cost: rows x longest
+    assert split(micro_batch_tokens=8, packing=True) == [[0, 1], [2, 3]]   # packed cost: sum of lengths
+    lengths = torch.tensor([6, 1, 1, 1])   # rank 0 takes the long row, rank 1 the three short ones
+    dims = [SimpleNamespace(dp_shard=2, dp_rank=r) for r in (0, 1)]
+    plans = [[m.tolist() for m in batches.plan({"micro_batch_size": 2}, d, rows, lengths)] for d in dims]
+    assert plans == [[[0], []], [[1, 2], [3]]]   # an empty micro-batch keeps the ranks' collectives paired
+
+
 def test_single_process_modes_match(tiny_model, references):
     """Packing (one row, reset positions, block-diagonal mask) and token-budget micro-batches
     equal the padded path in one process too."""
@@ -287,9 +301,9 @@ def test_the_reference_keeps_its_own_routing_under_routing_replay(tiny_moe):
     flags = dict(mini_batches=1, kl_coef=0.1, kl_loss=True)
     replaying = trainer.Trainer({**_cfg(tiny_moe, **flags), "routing_replay": True})
     assert replaying.ref is not None
-    scored = replaying._score(trainer.collate(other, replaying.pad_id))
-    plain = trainer.Trainer(_cfg(tiny_moe, **flags))._score(trainer.collate(trajs, replaying.pad_id))
-    mask = trainer.collate(trajs, replaying.pad_id)["mask"].bool()
+    scored = replaying._score(batches.collate(other, replaying.pad_id))
+    plain = trainer.Trainer(_cfg(tiny_moe, **flags))._score(batches.collate(trajs, replaying.pad_id))
+    mask = batches.collate(trajs, replaying.pad_id)["mask"].bool()
     assert (scored["old"] - plain["old"])[mask].abs().max() > 1e-3, "the policy replays the given experts"
     torch.testing.assert_close(scored["ref"][mask], plain["ref"][mask], atol=1e-6, rtol=0)
     torch.testing.assert_close(plain["ref"][mask], plain["old"][mask], atol=1e-6, rtol=0)  # ref = initial policy

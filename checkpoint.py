@@ -1,0 +1,102 @@
+"""Trainer checkpoints with torch.distributed.checkpoint (DCP), independent of the layout.
+
+`Checkpoints` is mixed into `trainer.Trainer`: every rank writes its own shards of the model,
+optimizer, critic (+ its optimizer) and version. DTensors reshard on load, and MoE experts are
+stored one entry per expert (`split_experts`), so a run resumes under other --train_workers /
+--tp_size / --ep_size. The run's own records around them (loop.json, which folders are
+complete) are in loop.py and logs.py.
+
+    python -m pytest -q tests/test_parallel.py -k checkpoint
+"""
+
+from __future__ import annotations
+
+import torch
+
+import parallel
+
+
+class Checkpoints:
+    """The trainer's checkpoints (a mixin of trainer.Trainer: it uses model, optimizer, critic,
+    critic_optimizer, dims and version)."""
+
+    def checkpoint_state(self) -> tuple[dict, dict]:
+        """(what DCP saves/loads, the state dicts it views). MoE experts appear one entry per
+        expert (`_split_experts`), views of this rank's rows, so a load fills them in place."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        dicts = {"model": get_state_dict(self.model, self.optimizer)}
+        if self.critic is not None:
+            dicts["critic"] = get_state_dict(self.critic, self.critic_optimizer)
+        state = {"version": torch.tensor(self.version)}
+        for name, (msd, osd) in dicts.items():   # keys: model, optim, critic, critic_optim
+            state[name] = split_experts(msd, self.dims)
+            state[OPTIM_KEY[name]] = split_experts(osd, self.dims)
+        return state, dicts
+
+    def save_checkpoint(self, path: str) -> str:
+        """Model, optimizer, critic (+ its optimizer) and version with torch.distributed.checkpoint:
+        every rank writes its own shards (all ranks must call it). The checkpoint does not depend
+        on the layout: DTensors reshard on load, MoE experts are stored one per expert, so it
+        resumes under other --train_workers / --tp_size / --ep_size."""
+        import torch.distributed.checkpoint as dcp
+        dcp.save(self.checkpoint_state()[0], checkpoint_id=path)
+        return path
+
+    def load_checkpoint(self, path: str) -> int:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        state, dicts = self.checkpoint_state()
+        dcp.load(state, checkpoint_id=path)
+        for name, module, optimizer in (("model", self.model, self.optimizer),
+                                        ("critic", self.critic, self.critic_optimizer)):
+            if name in dicts:  # the views were filled in place; param_groups come from the checkpoint
+                msd, osd = dicts[name]
+                groups = state[OPTIM_KEY[name]]["param_groups"]
+                set_state_dict(module, optimizer, model_state_dict=msd,
+                               optim_state_dict={"state": osd["state"], "param_groups": groups})
+        self.version = int(state["version"])
+        return self.version
+
+
+OPTIM_KEY = {"model": "optim", "critic": "critic_optim"}
+EXPERT_PARAMS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")  # fused [E, ...] (transformers 5)
+
+
+def expert_rows(v: torch.Tensor, dims: parallel.ParallelDims) -> tuple[torch.Tensor, int]:
+    """This rank's rows of a fused expert tensor and the global id of its first row. FSDP shards
+    dim 0 (whole experts; torch.chunk sizes); under EP the tensor is this EP rank's E/ep block."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    first = dims.ep_mesh["ep"].get_local_rank() * v.shape[0] if dims.ep > 1 else 0
+    if isinstance(v, DTensor):
+        if not all(p == Shard(0) or isinstance(p, Replicate) for p in v.placements):
+            raise ValueError(f"expert weights sharded as {v.placements}: checkpoints expect whole experts per rank")
+        _, offset = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
+        first, v = first + offset[0], v.to_local()
+    return v, first
+
+
+def split_experts(sd: dict, dims: parallel.ParallelDims) -> dict:
+    """A model or optimizer state dict with each fused expert tensor replaced by one entry per
+    expert, named by its global id ("...mlp.experts.down_proj[3]"): the same keys and shapes
+    whatever --ep_size / --train_workers split the experts, so DCP reloads them under any layout
+    (the other weights are DTensors, which DCP reshards). Entries are views of the local rows."""
+    def split(key: str, v: torch.Tensor) -> dict:
+        rows, first = expert_rows(v, dims)
+        return {f"{key}[{first + j}]": rows[j] for j in range(rows.shape[0])}
+
+    if "state" in sd and "param_groups" in sd:  # an optimizer state dict: split each state tensor alike
+        state = {}
+        for key, st in sd["state"].items():
+            if not key.endswith(EXPERT_PARAMS):
+                state[key] = st
+                continue
+            parts = {n: split(key, t) if torch.is_tensor(t) and t.dim() > 0 else t for n, t in st.items()}
+            ids = next(p for p in parts.values() if isinstance(p, dict))
+            for e in ids:   # scalar entries ("step") are shared by the experts of one tensor
+                state[e] = {n: p[e] if isinstance(p, dict) else p for n, p in parts.items()}
+        return {"state": state, "param_groups": sd["param_groups"]}
+    out = {}
+    for key, v in sd.items():
+        out.update(split(key, v) if key.endswith(EXPERT_PARAMS) else {key: v})
+    return out
