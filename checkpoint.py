@@ -1,10 +1,8 @@
 """Trainer checkpoints with torch.distributed.checkpoint (DCP), independent of the layout.
 
-`Checkpoints` is mixed into `trainer.Trainer`: every rank writes its own shards of the model,
-optimizer, critic (+ its optimizer) and version. DTensors reshard on load, and MoE experts are
-stored one entry per expert (`split_experts`), so a run resumes under other --train_workers /
---tp_size / --ep_size. The run's own records around them (loop.json, which folders are
-complete) are in loop.py and logs.py.
+`Checkpoints` is a base of `trainer.Trainer`. MoE experts are stored one entry per expert
+(`split_experts`) and DTensors reshard on load, so a run resumes under other --train_workers /
+--tp_size / --ep_size. The loop's own records around them are in loop.py and logs.py.
 
     python -m pytest -q tests/test_parallel.py -k checkpoint
 """
@@ -17,8 +15,7 @@ import parallel
 
 
 class Checkpoints:
-    """The trainer's checkpoints (a mixin of trainer.Trainer: it uses model, optimizer, critic,
-    critic_optimizer, dims and version)."""
+    """Uses Trainer's model, optimizer, critic, critic_optimizer, dims and version."""
 
     def checkpoint_state(self) -> tuple[dict, dict]:
         """(what DCP saves/loads, the state dicts it views). MoE experts appear one entry per

@@ -1,19 +1,13 @@
 """Weight sync, both halves: the trainer's rank 0 sends the policy, every engine worker reloads it.
 
-Weights travel one of two ways (`--weight_sync`), behind `generator.Engines.update_weights`:
-  ray        one safetensors blob (`WeightSender.weights_blob`) through Ray's object store
-             (shared memory on one node; works anywhere; the default with exactly one GPU);
-  broadcast  the trainer's rank 0 broadcasts the weights in flat buckets of `--sync_bucket_mb`
-             into every engine worker over a process group of their own (nccl on GPU, gloo on
-             CPU), each tensor in its own dtype, bit for bit (`send_weights` / `receive_weights`;
-             the default otherwise).
+`--weight_sync ray`: one safetensors blob (`WeightSender.weights_blob`) through Ray's object
+store (shared memory on one node; the default with exactly one GPU). `--weight_sync broadcast`:
+rank 0 broadcasts flat buckets of `--sync_bucket_mb` into every engine worker over a process
+group of their own (nccl on GPU, gloo on CPU), each tensor in its own dtype, bit for bit.
+`WeightSender` is a base of `trainer.Trainer`; `WeightReceiver` is the vLLM worker extension
+that receives and reloads in place. Both sit behind `generator.Engines.update_weights`.
 
-`WeightSender` is mixed into `trainer.Trainer` (the engine's names for the weights, the blob,
-rank 0's side of the group); `WeightReceiver` is the vLLM worker extension (named in
-`generator.Generator`'s engine arguments) that receives them inside each engine worker and
-reloads the weights in place.
-
-    python -m pytest -q tests/test_weight_sync.py tests/test_engine.py -k weight
+    python -m pytest -q tests/test_weight_sync.py
 """
 
 from __future__ import annotations
@@ -29,8 +23,7 @@ import parallel
 
 
 class WeightSender:
-    """The trainer's half (a mixin of trainer.Trainer: it uses full_state_dict, frozen, dims,
-    device and cfg)."""
+    """The trainer's half (it uses Trainer's full_state_dict, frozen, dims, device, cfg)."""
 
     def sync_state_dict(self) -> dict[str, torch.Tensor]:
         """What the engine receives: checkpoint names vLLM's load_weights takes (MoE experts

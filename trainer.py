@@ -467,8 +467,6 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
     def torch_threads(self) -> int:
         return torch.get_num_threads()
 
-    # ---- checkpoints ------------------------------------------------------------------------
-
 
 class TrainerGroup:
     """The trainer ranks as Ray actors forming one process group; the loop talks
