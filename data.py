@@ -52,8 +52,8 @@ def _check_message(msgs: Any, where: str, key: str) -> None:
         if not isinstance(m.get("role"), str):
             raise ValueError(f"{where}: field {key!r}: message {i} has no string 'role'")
         content = m.get("content")
-        parts_ok = isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in ("text", "image", "image_url")
-                                                     for p in content)
+        parts_ok = isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") in ("text", "image", "image_url") for p in content)
         if not isinstance(content, str) and not parts_ok:
             raise ValueError(f"{where}: field {key!r}: message {i} needs a string 'content' or a list of "
                              "text/image parts")
@@ -100,11 +100,8 @@ def make_row(raw: Any, where: str, input_key: str, label_key: str, image_key: st
     elif not isinstance(prompt, str) or not prompt.strip():
         raise ValueError(f"{where}: field {input_key!r} must be non-empty text or a list of "
                          f"{{role, content}} messages, got {prompt!r:.60}")
-    row = {**raw, "prompt": prompt, "label": raw.get(label_key)}
     images = _images(raw, where, image_key, max_images)
-    if images:
-        row["images"] = images
-    return row
+    return {**raw, "prompt": prompt, "label": raw.get(label_key), **({"images": images} if images else {})}
 
 
 def _jsonl(path: Path) -> Iterator[tuple[str, Any]]:
@@ -125,8 +122,7 @@ def _json(path: Path) -> Iterator[tuple[str, Any]]:
         raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
     if not isinstance(items, list):
         raise ValueError(f"{path}: expected a JSON list of objects, got {type(items).__name__}")
-    for i, item in enumerate(items):
-        yield f"{path}: row {i}", item
+    yield from ((f"{path}: row {i}", item) for i, item in enumerate(items))
 
 
 def _csv(path: Path) -> Iterator[tuple[str, Any]]:
@@ -145,8 +141,7 @@ def _parquet(path: Path) -> Iterator[tuple[str, Any]]:
         table = pq.read_table(path)
     except Exception as e:  # pyarrow raises its own error types for broken files
         raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
-    for i, row in enumerate(table.to_pylist()):
-        yield f"{path}: row {i}", row
+    yield from ((f"{path}: row {i}", row) for i, row in enumerate(table.to_pylist()))
 
 
 def _hf_folder(path: Path) -> Iterator[tuple[str, Any]]:
@@ -160,8 +155,7 @@ def _hf_folder(path: Path) -> Iterator[tuple[str, Any]]:
     if isinstance(ds, datasets.DatasetDict):
         split = "train" if "train" in ds else next(iter(ds))
         ds, where = ds[split], f"{path} (split {split})"
-    for i, row in enumerate(ds):
-        yield f"{where}: row {i}", row
+    yield from ((f"{where}: row {i}", row) for i, row in enumerate(ds))
 
 
 FORMATS = {".jsonl": _jsonl, ".json": _json, ".parquet": _parquet, ".csv": _csv}

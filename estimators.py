@@ -200,4 +200,3 @@ ESTIMATORS: dict[str, Spec] = {
     "gae": Spec(gae, critic=True),
     "on_policy_distill": Spec(on_policy_distill, teacher=True),
 }
-

@@ -27,6 +27,7 @@ import shutil
 import sys
 from pathlib import Path
 
+
 def _numbers(metrics: dict) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
@@ -59,9 +60,9 @@ class Sinks:
         if "wandb" in backends:
             import wandb
             os.environ.setdefault("WANDB_SILENT", "true")
-            self.wandb = wandb.init(project=cfg.get("wandb_project") or "molt", name=name, config=cfg,
-                                    dir=str(self.out),
-                                    mode=cfg.get("wandb_mode") or os.environ.get("WANDB_MODE") or "offline", reinit="create_new")
+            self.wandb = wandb.init(project=cfg.get("wandb_project") or "molt", name=name, config=cfg, dir=str(self.out),
+                                    mode=cfg.get("wandb_mode") or os.environ.get("WANDB_MODE") or "offline",
+                                    reinit="create_new")
             self.wandb.define_metric("*", step_metric="step")
         if "mlflow" in backends:
             # a local file store; mlflow 3 keeps it in "maintenance mode" and asks for this opt-in

@@ -70,11 +70,9 @@ CORPUS = [
 # Image sizes: 56x56 (min) -> grid [1, 4, 4] -> 4 tokens; 112x112 (max) -> grid [1, 8, 8] -> 16 tokens.
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 112 * 112
 
-# CPU-machine shim for machines without torchvision: every Qwen-VL processor also loads a
-# video processor, and transformers' Qwen2VLVideoProcessor needs torchvision. This file is
-# written into the model folder and registered with `auto_map` (load with
-# `trust_remote_code=True`). Where torchvision imports it IS the real video processor, so
-# it changes nothing there; elsewhere it loads, and refuses videos when called.
+# CPU-machine shim, written into the model folder and registered with `auto_map` (load with
+# `trust_remote_code=True`): every Qwen-VL processor also loads a video processor, which needs
+# torchvision. Where torchvision imports it IS the real one; elsewhere it loads and refuses videos.
 VIDEO_STUB = '''"""CPU-machine shim: the real Qwen2-VL video processor where torchvision works, else a stub."""
 from transformers.video_processing_utils import BaseVideoProcessor
 
