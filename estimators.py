@@ -14,10 +14,7 @@ Token-level recursions (discounting, GAE) run per row over action tokens only:
 non-action tokens are transparent. A segment is treated as its own trajectory
 whose reward sits on its last action token.
 
-To add an estimator: write its function with the signature above and add an entry to
-ESTIMATORS declaring its properties (`Spec`); `--estimator NAME` picks it, main.validate
-and the trainer read the entry, and the generic tests (tests/test_estimators.py,
-tests/test_algorithms.py, tests/test_main.py) cover it.
+To add an estimator: AGENTS.md, "Add an estimator" (a function and its `Spec` in ESTIMATORS).
 
 Test: python -m pytest -q tests/test_estimators.py
 """
@@ -30,7 +27,6 @@ from torch import Tensor
 
 OptT = Optional[Tensor]
 Pair = tuple[Tensor, Tensor]  # (advantages [B, T], returns [B, T])
-Estimator = Callable[..., Pair]
 
 
 def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
@@ -179,7 +175,7 @@ class Spec:
     """An estimator and what the rest of the code needs to know about it (main.validate
     refuses flags by these, the trainer builds a critic or a teacher by them). Calling a Spec
     calls its function."""
-    fn: Estimator
+    fn: Callable[..., Pair]
     group: bool = False                    # compares rollouts of one prompt: needs --samples_per_prompt >= 2
     no_kl_in_reward: Optional[str] = None  # why a KL penalty in the reward is refused (kl_coef must be 0)
     critic: bool = False                   # needs critic values: a value model is trained (--critic_*)
@@ -204,22 +200,3 @@ ESTIMATORS: dict[str, Spec] = {
     "gae": Spec(gae, critic=True),
     "on_policy_distill": Spec(on_policy_distill, teacher=True),
 }
-GROUP_ESTIMATORS: set[str] = {name for name, spec in ESTIMATORS.items() if spec.group}
-
-
-def compute_advantages(name: str, rewards: Tensor, mask: Tensor, groups: Tensor, **kw) -> Pair:
-    """Look up `name` in ESTIMATORS, check shapes and arguments, and run it."""
-    if name not in ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}; choices: {sorted(ESTIMATORS)}")
-    B = mask.shape[0]
-    if mask.dim() != 2 or rewards.shape != (B,) or groups.shape != (B,):
-        raise ValueError(f"{name}: want rewards [B], mask [B, T], groups [B]; got "
-                         f"{tuple(rewards.shape)}, {tuple(mask.shape)}, {tuple(groups.shape)}")
-    for key in ("kl", "values"):
-        if kw.get(key) is not None and kw[key].shape != mask.shape:
-            raise ValueError(f"{name}: {key} must be [B, T] = {tuple(mask.shape)}, got {tuple(kw[key].shape)}")
-    if kw.get("rollout_ids") is not None and kw["rollout_ids"].shape != (B,):
-        raise ValueError(f"{name}: rollout_ids must be [B], got {tuple(kw['rollout_ids'].shape)}")
-    if not (0.0 <= kw.get("gamma", 1.0) <= 1.0 and 0.0 <= kw.get("lam", 1.0) <= 1.0):
-        raise ValueError(f"{name}: gamma and lam must be in [0, 1], got {kw.get('gamma')}, {kw.get('lam')}")
-    return ESTIMATORS[name](rewards, mask, groups, **kw)

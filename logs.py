@@ -5,16 +5,15 @@
     sink.close()
     plot(["runs/a", "runs/b"], "compare.png")    # reward, length, KL/mismatch, step time
 
-and what the loop reports: `batch_metrics` (reward, lengths, info of a step's
-rollouts), the progress bar, the end-of-run `summarize`; and a run's records as a whole
-(`earlier_records`: what a fresh run refuses to overwrite without --overwrite;
-`complete_checkpoints`: the checkpoints that --resume may use).
+and what the loop reports: `batch_metrics` (reward, lengths, info of a step's rollouts), the
+progress bar, the end-of-run `summarize`; and a run's records as a whole (`earlier_records`:
+what a fresh run refuses to overwrite without --overwrite; `complete_checkpoints`: the
+checkpoints that --resume may use).
 
-The run's flags (config.json in the run folder, written by launch.run) are also
-recorded in each backend: TensorBoard hparams + a "config" text, W&B config,
-MLflow params. W&B runs offline by default (--wandb_mode): no network needed,
-`wandb sync RUN_DIR/wandb/offline-run-*` uploads later. MLflow writes to a
-local store under the run folder (`mlflow ui --backend-store-uri RUN_DIR/mlruns`) unless --mlflow_uri says otherwise.
+The run's flags (config.json in the run folder, written by launch.run) are also recorded in
+each backend: TensorBoard hparams + a "config" text, W&B config, MLflow params. W&B runs
+offline by default (--wandb_mode): `wandb sync RUN_DIR/wandb/offline-run-*` uploads later.
+MLflow writes to a local store (`mlflow ui --backend-store-uri RUN_DIR/mlruns`) unless --mlflow_uri.
 
     python plot.py runs/latest runs/other -o compare.png
 """
@@ -28,8 +27,6 @@ import shutil
 import sys
 from pathlib import Path
 
-PIP = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "matplotlib": "matplotlib"}
-
 
 def _numbers(metrics: dict) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()
@@ -38,20 +35,12 @@ def _numbers(metrics: dict) -> dict[str, float]:
 
 def _flat_config(cfg: dict) -> dict[str, str | int | float | bool]:
     """Flags as scalars: lists and None become text (what hparams/params accept)."""
-    out = {}
-    for k, v in cfg.items():
-        out[k] = v if isinstance(v, (int, float, bool, str)) else json.dumps(v, default=str)
-    return out
-
-
-def _need(module: str):
-    import importlib.util
-    if importlib.util.find_spec(module) is None:
-        raise ValueError(f"--logger {module} needs the '{PIP[module]}' package: pip install {PIP[module]}")
+    return {k: v if isinstance(v, (int, float, bool, str)) else json.dumps(v, default=str) for k, v in cfg.items()}
 
 
 class Sinks:
-    """metrics.jsonl plus each backend of `cfg["logger"]`, opened at once, closed at once."""
+    """metrics.jsonl plus each backend of `cfg["logger"]`, opened at once, closed at once
+    (main.validate has checked that each backend's package is installed)."""
 
     def __init__(self, cfg: dict, append: bool = False):
         self.out = Path(cfg["output_dir"])
@@ -62,7 +51,6 @@ class Sinks:
         name = cfg.get("run_name") or self.out.resolve().name
         flat = _flat_config(cfg)
         if "tensorboard" in backends:
-            _need("tensorboard")
             from torch.utils.tensorboard import SummaryWriter
             from torch.utils.tensorboard.summary import hparams
             self.tb = SummaryWriter(str(self.out / "tensorboard"))
@@ -70,15 +58,13 @@ class Sinks:
             for summary in hparams(flat, {"reward_mean": 0.0}):   # the HParams tab, same run folder
                 self.tb.file_writer.add_summary(summary)
         if "wandb" in backends:
-            _need("wandb")
             import wandb
             os.environ.setdefault("WANDB_SILENT", "true")
-            self.wandb = wandb.init(project=cfg.get("wandb_project") or "molt", name=name, config=cfg,
-                                    dir=str(self.out),
-                                    mode=cfg.get("wandb_mode") or os.environ.get("WANDB_MODE") or "offline", reinit="create_new")
+            self.wandb = wandb.init(project=cfg.get("wandb_project") or "molt", name=name, config=cfg, dir=str(self.out),
+                                    mode=cfg.get("wandb_mode") or os.environ.get("WANDB_MODE") or "offline",
+                                    reinit="create_new")
             self.wandb.define_metric("*", step_metric="step")
         if "mlflow" in backends:
-            _need("mlflow")
             # a local file store; mlflow 3 keeps it in "maintenance mode" and asks for this opt-in
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             import mlflow
@@ -193,10 +179,8 @@ RECORDS = ("config.json", "metrics.jsonl", "metrics.png", "checkpoints", "final"
 
 def complete_checkpoints(out: Path) -> list[Path]:
     """The checkpoints of OUTPUT_DIR that were written to the end (renamed from .tmp), oldest first."""
-    root = Path(out) / "checkpoints"
-    found = [p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
-             and (p / "loop.json").is_file()] if root.is_dir() else []
-    return sorted(found)
+    return sorted(p for p in (Path(out) / "checkpoints").glob("step_*")
+                  if p.is_dir() and not p.name.endswith(".tmp") and (p / "loop.json").is_file())
 
 
 async def save_checkpoint(out: Path, write, state: dict, keep: int):

@@ -8,9 +8,7 @@ per-token outputs are exactly 0 (value and gradient) where mask == 0. Log-ratios
 are clamped to [-MAX_LOG_RATIO, MAX_LOG_RATIO] before exp. Metrics are detached
 0-dim tensors (masked means over action tokens).
 
-To add a policy loss: write its function (like `ppo`) and add an entry to POLICY_LOSSES
-with its defaults and refusals; `--loss NAME` picks it, main.validate applies the entry, and
-the generic tests (tests/test_losses.py, tests/test_algorithms.py, tests/test_main.py) cover it.
+To add a policy loss: AGENTS.md, "Add a loss" (a function and its `PolicyLoss` in POLICY_LOSSES).
 
 Test: python -m pytest -q tests/test_losses.py
 """
@@ -26,9 +24,8 @@ LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 IS_LEVELS = ("off", "token", "seq", "geo")
 IS_MODES = ("mask", "reject", "clip", "trunc")
 KL_ESTIMATORS = ("k1", "k2", "k3")
-# Where each KL estimator is sound (main.validate refuses the rest). In the reward, the policy
-# gradient is E[grad log pi * k]: only k1 gives grad KL(pi||ref) (k3 there points away from it).
-# As a loss, grad E[k] matters: k2 gives grad KL(pi||ref), k3 grad KL(ref||pi), k1 zero.
+# Where each KL estimator is sound (main.validate refuses the rest): in the reward the gradient is
+# E[grad log pi * k], grad KL(pi||ref) only for k1; as a loss it is grad E[k], a KL's for k2 and k3.
 KL_PLACEMENTS = {"reward": {"k1": "KL(pi||ref)"}, "loss": {"k2": "KL(pi||ref)", "k3": "KL(ref||pi)"}}
 MAX_LOG_RATIO = 20.0
 
@@ -118,8 +115,7 @@ def policy_loss(kind: str, logprobs: Tensor, old_logprobs: Tensor, advantages: T
         raise ValueError(spec.no_dual_clip)
     if eps_low is None and spec.eps_clip[0] is not None:
         raise ValueError(f"{kind} needs eps_low (only a loss without a default lower bound may leave it out)")
-    m = mask.bool()
-    A = advantages.float()
+    m, A = mask.bool(), advantages.float()
     # where() before anything else so padding (even -inf logprobs) cannot leak NaN into gradients.
     log_ratio = torch.where(m, logprobs.float() - old_logprobs.float(), 0)  # [B, T]
     tok_lr = log_ratio.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
@@ -160,16 +156,10 @@ def aggregate(per_token_loss: Tensor, mask: Tensor, mode: str = "token_mean",
 @torch.no_grad()
 def is_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, *,
                level: str, mode: str, low: float, high: float) -> tuple[Tensor, dict[str, Tensor]]:
-    """Train/rollout mismatch importance weights [B, T] (detached) and metrics.
-
-    ratio = exp(old_logprobs - rollout_logprobs) (trainer over sampler). level: off (weights
-    = mask), token (gate on the per-token ratio), seq (on the per-row product), geo (on the
-    per-row geometric mean). mode: mask (IcePop: min(ratio, high) * 1[low <= gate <= high], the
-    per-token ratio, bounded, kept where the gate passes), reject (1[low <= gate <= high]: a pure
-    rejection filter, no reweighting), clip (clamp to [low, high]), trunc (min(ratio, high)).
-    seq/geo gate whole rows and accept mask or reject only. is_filtered_frac: the share of
-    action tokens whose weight is not their ratio (zeroed by the gate, or bounded).
-    """
+    """Train/rollout mismatch importance weights [B, T] (detached) and metrics; levels and modes as in
+    the README's IS table (off: weights = mask). ratio = exp(old_logprobs - rollout_logprobs), trainer
+    over sampler. is_filtered_frac: the share of action tokens whose weight is not their ratio
+    (zeroed by the gate, or bounded)."""
     if level not in IS_LEVELS:
         raise ValueError(f"unknown IS level {level!r}; choices: {IS_LEVELS}")
     if mode not in IS_MODES:

