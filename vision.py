@@ -179,8 +179,11 @@ def load_image(spec: ImageSpec) -> Image.Image:
         if not header.startswith("data:image/") or not header.endswith(";base64"):
             raise ValueError(f"only base64 image data URIs are supported, got {header[:40]!r}")
         return Image.open(io.BytesIO(base64.b64decode(payload))).convert("RGB")
-    if Path(spec).is_file():
-        return Image.open(spec).convert("RGB")
+    try:
+        if Path(spec).is_file():
+            return Image.open(spec).convert("RGB")
+    except OSError:  # raw base64 longer than a file name may be
+        pass
     try:
         raw = base64.b64decode(spec, validate=True)
     except ValueError:

@@ -21,21 +21,10 @@ def close(actual, expected, atol=1e-5):
 
 
 def compute_advantages(name: str, rewards: torch.Tensor, mask: torch.Tensor, groups: torch.Tensor, **kw):
-    """Look up `name` in ESTIMATORS, check shapes and arguments, and run it (the tests' entry point;
-    the trainer calls ESTIMATORS[name] on the shapes it builds)."""
-    if name not in ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}; choices: {sorted(ESTIMATORS)}")
+    """ESTIMATORS[name], its inputs' shapes checked (the trainer builds them so)."""
     B = mask.shape[0]
-    if mask.dim() != 2 or rewards.shape != (B,) or groups.shape != (B,):
-        raise ValueError(f"{name}: want rewards [B], mask [B, T], groups [B]; got "
-                         f"{tuple(rewards.shape)}, {tuple(mask.shape)}, {tuple(groups.shape)}")
-    for key in ("kl", "values"):
-        if kw.get(key) is not None and kw[key].shape != mask.shape:
-            raise ValueError(f"{name}: {key} must be [B, T] = {tuple(mask.shape)}, got {tuple(kw[key].shape)}")
-    if kw.get("rollout_ids") is not None and kw["rollout_ids"].shape != (B,):
-        raise ValueError(f"{name}: rollout_ids must be [B], got {tuple(kw['rollout_ids'].shape)}")
-    if not (0.0 <= kw.get("gamma", 1.0) <= 1.0 and 0.0 <= kw.get("lam", 1.0) <= 1.0):
-        raise ValueError(f"{name}: gamma and lam must be in [0, 1], got {kw.get('gamma')}, {kw.get('lam')}")
+    assert mask.dim() == 2 and rewards.shape == (B,) == groups.shape
+    assert all(kw.get(k) is None or kw[k].shape == mask.shape for k in ("kl", "values"))
     return ESTIMATORS[name](rewards, mask, groups, **kw)
 
 
@@ -265,8 +254,6 @@ def test_critic_and_teacher_are_what_the_estimator_uses(name):
 
 def test_errors():
     m, r, g = torch.ones(2, 3), t([1.0, 2.0]), ids([0, 0])
-    with pytest.raises(ValueError, match="unknown advantage estimator 'nope'.*grpo"):
-        compute_advantages("nope", r, m, g)
     with pytest.raises(ValueError, match="gae needs critic values"):
         compute_advantages("gae", r, m, g)
     with pytest.raises(ValueError, match="on_policy_distill needs kl"):
@@ -277,9 +264,3 @@ def test_errors():
         ESTIMATORS["reinforce_pp"](r, m, g, kl_coef=0.1)
     with pytest.raises(ValueError, match="grpo does not support KL-in-reward"):
         compute_advantages("grpo", r, m, g, kl=torch.zeros(2, 3), kl_coef=0.1)
-    with pytest.raises(ValueError, match="want rewards"):
-        compute_advantages("grpo", t([1.0]), m, g)
-    with pytest.raises(ValueError, match="values must be"):
-        compute_advantages("gae", r, m, g, values=torch.zeros(2, 4))
-    with pytest.raises(ValueError, match="gamma and lam"):
-        compute_advantages("reinforce", r, m, g, gamma=1.5)

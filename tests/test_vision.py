@@ -143,6 +143,10 @@ def test_load_image_forms(tmp_path):
     buf = io.BytesIO()
     img.save(buf, format="JPEG")
     assert vision.load_image("data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()).size == (56, 84)
+    from PIL import Image
+    noisy = Image.effect_noise((64, 64), 80).convert("RGB")
+    raw = vision.to_data_uri(noisy).split(",", 1)[1]   # raw base64 longer than a file name may be
+    assert len(raw) > 4096 and vision.load_image(raw).tobytes() == noisy.tobytes()
 
 
 def test_collapse_expand_round_trip():
