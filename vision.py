@@ -180,10 +180,11 @@ def load_image(spec: ImageSpec) -> Image.Image:
             raise ValueError(f"only base64 image data URIs are supported, got {header[:40]!r}")
         return Image.open(io.BytesIO(base64.b64decode(payload))).convert("RGB")
     try:
-        if Path(spec).is_file():
-            return Image.open(spec).convert("RGB")
+        is_file = Path(spec).is_file()
     except OSError:  # raw base64 longer than a file name may be
-        pass
+        is_file = False
+    if is_file:
+        return Image.open(spec).convert("RGB")
     try:
         raw = base64.b64decode(spec, validate=True)
     except ValueError:
