@@ -34,10 +34,12 @@ Run the engine alone:  python -c "import generator; generator.smoke('MODEL_DIR')
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import gc
 import itertools
 import json
+import multiprocessing
 import os
 import time
 import traceback
@@ -154,7 +156,10 @@ class Generator:
             # Images per request (all turns of a trajectory); no video input.
             **({"limit_mm_per_prompt": {"image": max_images, "video": 0}} if vlm else {}),
         )
-        self.engine = AsyncLLM.from_engine_args(args)
+        # A Ray actor's vLLM spawns its engine core: a fresh interpreter importing vLLM again (~11 s,
+        # no pages shared). On CPU with one rank we fork it, as vLLM does outside Ray.
+        with _forked_engine_core(cpu_slot is not None and tp_size == 1):
+            self.engine = AsyncLLM.from_engine_args(args)
         # A full collection walks vLLM's and torch's ~10^6 start-up objects: a 0.5 s stall of every
         # request in flight, every few hundred rollouts. They live as long as the engine.
         gc.freeze()
@@ -334,6 +339,18 @@ class Generator:
             # vLLM's __del__ shuts down a second time; at interpreter exit that fails
             # noisily because module globals are gone. Once is enough.
             self.engine.shutdown = lambda *args, **kwargs: None
+
+
+@contextlib.contextmanager
+def _forked_engine_core(fork: bool):
+    import vllm.v1.engine.utils as engine_utils
+    spawn = engine_utils.get_mp_context
+    if fork:
+        engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
+    try:
+        yield
+    finally:
+        engine_utils.get_mp_context = spawn
 
 
 _VERSION = {"default": 0}   # vLLM's label of the weights an engine started with; ours are str(version)
