@@ -160,7 +160,7 @@ class Generator:
         )
         # A Ray actor's vLLM spawns its engine core: a fresh interpreter importing vLLM again (~11 s,
         # no pages shared). On CPU with one rank we fork it, as vLLM does outside Ray.
-        with _forked_engine_core(cpu_slot is not None and tp_size == 1):
+        with forked_engine_core(cpu_slot is not None and tp_size == 1):
             self.engine = AsyncLLM.from_engine_args(args)
         # A full collection walks vLLM's and torch's ~10^6 start-up objects: a 0.5 s stall of every
         # request in flight, every few hundred rollouts. They live as long as the engine.
@@ -338,7 +338,7 @@ class Generator:
             self.engine.shutdown = lambda *args, **kwargs: None
 
 
-def _forked_engine_core(fork: bool):
+def forked_engine_core(fork: bool):
     """While in effect, vLLM forks its engine-core process (as it does outside Ray) instead of spawning it."""
     import vllm.v1.engine.utils as engine_utils
     fork_context = lambda: multiprocessing.get_context("fork")
