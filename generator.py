@@ -27,11 +27,14 @@ Run the engine alone:  python -c "import generator; generator.smoke('MODEL_DIR')
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import itertools
+import multiprocessing
 import os
 import time
 import traceback
+from unittest import mock
 
 import torch
 
@@ -48,7 +51,7 @@ class Generator:
                  prefix_caching: bool = True, enforce_eager: bool = True,
                  partial_rollout: bool = False, tp_size: int = 1, dp_size: int = 1,
                  expert_parallel: bool = False, spec_decode: str | None = None, spec_tokens: int = 3,
-                 max_images: int = 8, trust_remote_code: bool = False, max_seqs: int = 1024,
+                 max_images: int = 8, trust_remote_code: bool = False, max_seqs: int = 1024, kv_seqs: int = 0,
                  cpu_slot: tuple[list[str], int] | None = None):
         self.threads = None  # the engine core's OpenMP threads on CPU (said at start-up)
         if cpu_slot is not None:  # our cores and threads, counted on our node, before vLLM starts
@@ -62,12 +65,13 @@ class Generator:
         vlm = hasattr(config, "vision_config")
         kv = {}
         if not torch.cuda.is_available() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-            # vLLM-CPU's own default is a share of the machine's memory: give it the KV of
-            # max_seqs full-length sequences instead, between 64 MiB and 1 GiB.
+            # vLLM-CPU's own default is a share of the machine's memory: give it the KV of the
+            # full-length sequences the run keeps in flight (kv_seqs, else max_seqs), 64 MiB - 1 GiB.
             text = config.get_text_config()
             head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
             per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * (4 if dtype == "float32" else 2)
-            kv["kv_cache_memory_bytes"] = min(1 << 30, max(64 << 20, max_seqs * max_len * per_token))
+            seqs = min(kv_seqs or max_seqs, max_seqs)
+            kv["kv_cache_memory_bytes"] = min(1 << 30, max(64 << 20, seqs * max_len * per_token))
 
         args = AsyncEngineArgs(
             model=model, dtype=dtype, max_model_len=max_len, seed=seed,
@@ -87,7 +91,10 @@ class Generator:
             # Images per request (all turns of a trajectory); no video input.
             **({"limit_mm_per_prompt": {"image": max_images, "video": 0}} if vlm else {}),
         )
-        self.engine = AsyncLLM.from_engine_args(args)
+        # A Ray actor's vLLM spawns its engine core: a fresh interpreter importing vLLM again (~11 s,
+        # no pages shared). On CPU with one rank we fork it, as vLLM does outside Ray.
+        with forked_engine_core(cpu_slot is not None and tp_size == 1):
+            self.engine = AsyncLLM.from_engine_args(args)
         # A full collection walks vLLM's and torch's ~10^6 start-up objects: a 0.5 s stall of every
         # request in flight, every few hundred rollouts. They live as long as the engine.
         gc.freeze()
@@ -100,16 +107,14 @@ class Generator:
         self._requests: dict[str, asyncio.Future] = {}  # generate_batch's requests in flight
 
     async def generate_batch(self, requests: list[tuple]):
-        """Many `generate` calls in one Ray call (a Ray call per request costs the driver
-        about a millisecond: 0.5 s of a 512-rollout step). `requests` are (request id,
-        prompt_ids, sampling, images); yields lists of (request id, result, error text)
-        as requests finish. `cancel(ids)` stops some of them.
+        """Many `generate` calls in one Ray call (one per request costs the driver ~1 ms: 0.5 s
+        of a 512-rollout step). `requests` are (request id, prompt_ids, sampling, images); yields
+        lists of (request id, result, error text) as requests finish; `cancel(ids)` stops some.
 
-        Requests with the same prompt and sampling (a group's first turn) become one vLLM
-        request for n samples: one prefill and one request's overhead instead of n. Each
-        sample keeps its own tokens and logprobs (and token versions, with partial rollout too:
-        async on the default task, 0.27-0.37 s/step against 0.42-0.45 unmerged, the engine actor's
-        CPU halved; no slower with 48 new tokens). Not with a seed, images or greedy sampling."""
+        Requests with the same prompt and sampling (a group's first turn) become one vLLM request
+        for n samples: one prefill instead of n, each sample with its own tokens, logprobs and
+        versions (async default task: 0.27-0.37 s/step against 0.42-0.45 unmerged, the engine
+        actor's CPU halved). Not with a seed, images or greedy sampling."""
         same: dict[tuple, tuple] = {}
         for rid, prompt, sampling, images in requests:
             key = ((rid,) if images or "seed" in sampling or sampling.get("temperature", 1.0) < 1e-5  # vLLM: greedy is n=1
@@ -212,14 +217,12 @@ class Generator:
         await self.engine.collective_rpc("molt_join_weight_sync", args=(host, port, first_rank, world))
 
     async def update_weights(self, blob: bytes | None, version: int) -> dict:
-        """Load new weights into the running engine: from `blob` (safetensors bytes), or,
-        when `blob` is None, from the trainer's broadcast. Returns the seconds taken and
-        the engine parameters the update did not cover (`missing`, per worker).
-
-        Without partial rollout, in-flight requests finish on the old weights first
-        (pause mode "wait"): every request has one version. With it, they are frozen
-        ("keep"), their KV is dropped and recomputed under the new weights on
-        resume, and their later tokens carry the new version."""
+        """Load new weights into the running engine: from `blob` (safetensors bytes), or, when `blob`
+        is None, from the trainer's broadcast. Returns the seconds taken and the engine parameters
+        the update did not cover (`missing`, per worker). Without partial rollout, in-flight requests
+        finish on the old weights first (pause mode "wait"): every request has one version. With it,
+        they are frozen ("keep"), their KV recomputed under the new weights on resume, and their
+        later tokens carry the new version."""
         t0 = time.perf_counter()
         await self.engine.pause_generation(mode="keep" if self.partial_rollout else "wait", clear_cache=True)
         try:
@@ -236,8 +239,7 @@ class Generator:
         return self.version
 
     async def warm_up(self) -> int:
-        """One short request at start-up: the first forward of a fresh engine takes seconds
-        (kernel set-up), which would otherwise count against the first rollouts' --agent_timeout."""
+        """One short request at start-up: a fresh engine's first forward (seconds) is not a rollout's --agent_timeout."""
         await self.generate([0, 1, 2], {"max_tokens": 2, "temperature": 1.0})
         return self.version
 
@@ -269,7 +271,16 @@ class Generator:
             self.engine.shutdown = lambda *args, **kwargs: None
 
 
+def forked_engine_core(fork: bool):
+    """While in effect, vLLM forks its engine-core process (as it does outside Ray) instead of spawning it."""
+    import vllm.v1.engine.utils as engine_utils
+    fork_context = lambda: multiprocessing.get_context("fork")
+    return mock.patch.object(engine_utils, "get_mp_context", fork_context) if fork else contextlib.nullcontext()
+
+
 _VERSION = {"default": 0}   # vLLM's label of the weights an engine started with; ours are str(version)
+
+
 class EngineError(RuntimeError):
     """A request failed inside an engine (the engine's traceback is the message)."""
 
@@ -352,8 +363,7 @@ class Engines:
         return await self.session()(prompt_ids, sampling, images)
 
     async def version(self) -> int:
-        """The policy version the engines hold: asked once, then known from `update_weights`
-        (every group's start asked an engine: a Ray call per group)."""
+        """The engines' policy version: asked once, then known from `update_weights` (not a Ray call per group)."""
         if self._version is None:
             self._version = await self.actors[0].get_version.remote()
         return self._version
@@ -414,9 +424,7 @@ def start_engines(cfg: dict) -> Engines:
     """--num_engines Generator actors, one Ray bundle each (one CPU, and its --engine_tp_size x
     --engine_dp_size GPUs on one node where the cluster has GPUs, plus --engine_resources), in
     a placement group of their own: engine GPUs are never the trainer's. On CPU each engine's
-    OpenMP threads come from its node's cores (parallel.cpu_threads: all of them on-policy, a
-    share while the trainer trains at the same time with --async_depth >= 1); engines that share
-    a node bind to cores of their own; the cores are counted on the engine's node (cpu_engine_env)."""
+    threads and cores come from its node's (cpu_engine_env)."""
     import ray
     import parallel
     n, gpus = cfg["num_engines"], parallel.gpu_shares(cfg, ray.cluster_resources().get("GPU", 0))[1]
@@ -440,7 +448,7 @@ def start_engines(cfg: dict) -> Engines:
             tp_size=cfg["engine_tp_size"], dp_size=cfg["engine_dp_size"], expert_parallel=cfg["engine_ep"],
             spec_decode=cfg["spec_decode"], spec_tokens=cfg["spec_tokens"],
             max_images=cfg["max_images_per_prompt"], trust_remote_code=cfg["trust_remote_code"],
-            max_seqs=cfg["engine_max_seqs"],
+            max_seqs=cfg["engine_max_seqs"], kv_seqs=-(-cfg.get("rollout_in_flight", 0) * cfg["samples_per_prompt"] // n),
             cpu_slot=None if gpus else (nodes, i, trainers_here, overlap, cfg.get("engine_threads"))))
     return Engines(actors, cfg["check_weight_sync"], broadcast=cfg["weight_sync"] == "broadcast",
                    workers_per_engine=per_engine)
@@ -448,19 +456,15 @@ def start_engines(cfg: dict) -> Engines:
 
 def cpu_engine_env(nodes: list[str], i: int, trainers: int, overlap: bool, threads: int | None = None,
                    cores: int | None = None, tp_size: int = 1) -> dict:
-    """The environment of CPU engine `i`, from the node each engine runs on (`nodes`), the trainer
-    ranks on engine i's node, whether they train while it generates (`overlap`), --engine_threads
-    (`threads`) and the cores of engine i's node (counted there, by the engine). The thread count
-    is parallel.cpu_threads'; engines that share a node bind to cores of their own ("lo-hi"; more
-    engines than cores share them round-robin). An engine alone on its node is not bound: on-policy
-    it takes every core while the trainer sleeps, and the trainer every core while it sleeps.
+    """The environment of CPU engine `i`: `nodes` says where each engine runs, `trainers` the ranks
+    on engine i's node, `overlap` whether they train while it generates, `threads` --engine_threads,
+    `cores` engine i's node's (counted there). The count is parallel.cpu_threads'; engines sharing a
+    node bind to cores of their own ("lo-hi", round-robin past the cores); one alone is not bound.
 
-    With one rank the worker runs inside vLLM's engine-core process (its uni executor) with
-    OpenMP threads we set (vLLM binds threads itself only in its multiprocess executor):
-    that executor makes the worker and the scheduler busy-wait on each other (sched_yield for
-    1 s after every message), which on a small machine takes cores from everything else (0.9 ->
-    0.65 s per default step on 2 cores). With tensor parallelism vLLM's own executor binds each
-    rank (VLLM_CPU_OMP_THREADS_BIND; "auto": the node's cores less one per rank for its scheduler)."""
+    One rank runs in vLLM's engine-core process (uni executor) with our OpenMP threads: vLLM's
+    multiprocess executor busy-waits between worker and scheduler (sched_yield 1 s per message),
+    taking cores from everything else (0.9 -> 0.65 s per default step on 2 cores). With tensor
+    parallelism vLLM binds each rank itself (VLLM_CPU_OMP_THREADS_BIND; "auto": all cores less one per rank)."""
     import parallel
     cores = cores or parallel.node_cores()
     peers = [j for j, m in enumerate(nodes) if m == nodes[i]]
@@ -470,8 +474,7 @@ def cpu_engine_env(nodes: list[str], i: int, trainers: int, overlap: bool, threa
         return {} if len(peers) == 1 else {"VLLM_CPU_OMP_THREADS_BIND": f"{lo}-{min(lo + share, cores) - 1}"}
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(share)}
     if len(peers) > 1:
-        env.update(OMP_PLACES="{" + ",".join(str(c % cores) for c in range(lo, lo + share)) + "}",
-                   OMP_PROC_BIND="true")
+        env.update(OMP_PLACES="{" + ",".join(str(c % cores) for c in range(lo, lo + share)) + "}", OMP_PROC_BIND="true")
     return env
 
 

@@ -154,9 +154,8 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
 
         self.cfg = cfg
         torch.manual_seed(cfg["seed"])
-        # node: (trainer ranks, engines on this rank's node, whether they overlap) from TrainerGroup:
-        # on CPU the rank's torch threads come from its node's cores (parallel.cpu_threads; a Ray
-        # actor would otherwise train with one, Ray's OMP_NUM_THREADS). In-process: torch's default.
+        # node: (trainer ranks, engines on this rank's node, whether they overlap): on CPU the threads come from
+        # its cores (parallel.cpu_threads; else Ray's OMP_NUM_THREADS=1). In-process: torch's default.
         threads = cfg.get("train_threads")
         if node is not None and not torch.cuda.is_available():
             threads = parallel.cpu_threads(parallel.node_cores(), *node, train_threads=threads)[0]

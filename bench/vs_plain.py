@@ -86,8 +86,10 @@ class Processes:
                 try:
                     if p.pid not in self.kinds or tick % 20 == 0:   # a Ray worker renames itself
                         cmd = " ".join(p.cmdline())
-                        self.kinds[p.pid] = (next((k for k, mark in KINDS if mark in cmd), "driver")
-                                             if p != self.me else "driver")
+                        kind = next((k for k, mark in KINDS if mark in cmd), "driver") if p != self.me else "driver"
+                        if kind == "engine actor" and self.kinds.get(p.ppid()) == "engine actor":
+                            kind = "engine core"  # forked by the actor (generator.py): its command line
+                        self.kinds[p.pid] = kind
                     kind, t = self.kinds[p.pid], p.cpu_times()
                     if tick % 20 == 0:
                         parts[kind] = parts.get(kind, 0) + p.memory_full_info().pss

@@ -114,6 +114,20 @@ def test_cpu_engine_env_counts_each_nodes_cores():
     assert env(["a"], 0, 0, False, cores=8, tp_size=2) == {}
 
 
+def test_a_cpu_engine_forks_its_engine_core_and_only_while_it_starts(monkeypatch):
+    """vLLM spawns the engine core from a Ray actor (a second vLLM import); forked_engine_core makes
+    the context vLLM's process manager asks for a fork one, and puts vLLM's own back after."""
+    from vllm.v1.engine import utils as engine_utils
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")   # what vLLM forces inside a Ray actor
+    spawn = engine_utils.get_mp_context
+    assert spawn().get_start_method() == "spawn"
+    with generator.forked_engine_core(True):
+        assert engine_utils.get_mp_context().get_start_method() == "fork"
+    assert engine_utils.get_mp_context is spawn
+    with generator.forked_engine_core(False):   # GPU or tensor parallel: vLLM's choice
+        assert engine_utils.get_mp_context is spawn
+
+
 def test_trainer_actor_trains_with_the_threads_chosen(tiny_model, tmp_path):
     """Through the real trainer actor: torch's threads inside it are the ones cpu_threads chose from
     this node's cores (not Ray's OMP_NUM_THREADS=1 for an actor), on-policy and async, and the flag wins."""
