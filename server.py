@@ -83,27 +83,50 @@ def _need(cond: Any, message: str):
         raise BadRequest(message)
 
 
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
-def parse_tool_calls(text: str, most: int | None = None) -> tuple[str, list[dict]]:
-    """Split a reply into its text and its `<tool_call>{json}</tool_call>` calls
-    ({"id", "name", "arguments"}), at most `most` of them. A block that is not a call (not JSON,
-    no name, arguments that are not a JSON object) stays text, as do blocks past `most`."""
-    calls, kept, last = [], [], 0
-    for match in TOOL_CALL.finditer(text):
-        if most is not None and len(calls) >= most:
-            break
+@functools.lru_cache(maxsize=8)
+def reply_parsers(tool: str, reasoning: str | None, tokenizer) -> tuple[Any, Any]:
+    """vLLM's tool parser and reasoning parser (None: none) of these names for `tokenizer`: the ones its
+    OpenAI server picks with --tool-call-parser / --reasoning-parser. ValueError for a name vLLM does not
+    register, or a parser whose special tokens the tokenizer lacks."""
+    from vllm.reasoning import ReasoningParserManager as Reasoning
+    from vllm.tool_parsers import ToolParserManager as Tools
+    made = []
+    for flag, name, names, get in (("tool_parser", tool, Tools.list_registered(), Tools.get_tool_parser),
+                                   ("reasoning_parser", reasoning, Reasoning.list_registered(),
+                                    Reasoning.get_reasoning_parser)):
+        if name is not None and name not in names:
+            raise ValueError(f"--{flag} {name!r} is not one of vLLM's: {', '.join(names)}")
         try:
-            call = json.loads(match.group(1))
-        except (json.JSONDecodeError, RecursionError):
-            continue
-        args = call.get("arguments", call.get("parameters", {})) if isinstance(call, dict) else None
-        if isinstance(args, dict) and isinstance(call.get("name"), str):   # agents index the arguments
-            calls.append({"id": f"call_{secrets.token_hex(6)}", "name": call["name"], "arguments": args})
-            kept.append(text[last:match.start()])
-            last = match.end()
-    return ("".join(kept + [text[last:]]).strip(), calls) if calls else (text, [])
+            made.append(name and get(name)(tokenizer))
+        except Exception as e:   # e.g. the template's special tokens are not in the vocabulary
+            raise ValueError(f"--{flag} {name}: does not fit the model's tokenizer ({e})") from None
+    return made[0], made[1]
+
+
+def parse_reply(text: str, parsers: tuple, request, calls: bool, most: int | None) -> tuple[str | None, str, list]:
+    """(reasoning, text, tool calls {"id", "name", "arguments"}) of a sampled reply by vLLM's parsers
+    (`request`: its ChatCompletionRequest); the sampled ids are untouched. Only arguments that are a
+    JSON object make calls (agents index them): otherwise the reply stays text; at most `most` calls."""
+    tool, thinking = parsers
+    reasoning = None
+    if thinking:
+        reasoning, text = thinking.extract_reasoning(text, request)
+        text = text or ""
+    found = tool.extract_tool_calls(text, request) if calls and request.tools else None
+    got = [{"id": c.id, "name": c.function.name, "arguments": _json_args(c.function.arguments)}
+           for c in (found.tool_calls if found and found.tools_called else [])]
+    if not got or not all(isinstance(c["arguments"], dict) for c in got):
+        return reasoning, text, []
+    return reasoning, (found.content or "").strip(), got[:most]
+
+
+def _parser_request(tools: list[dict] | None):
+    """The vLLM request object its parsers read (the tools offered)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    try:
+        return ChatCompletionRequest(model="policy", messages=[], tools=tools)
+    except ValueError as e:
+        raise BadRequest(f"tools: {e}") from None
 
 
 # ---------------------------------------------------------------- requests: each API -> one canonical form
@@ -314,6 +337,8 @@ def anthropic_request(body: dict, count_only: bool = False) -> Request:
                 _need(isinstance(b.get("input", {}), dict),
                       f"{where}.content.{j}.input: Input should be a valid dictionary")
                 calls.append(_call(b.get("name"), b.get("input", {}), b.get("id"), f"{where}.content.{j}"))
+            elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
+                continue   # the trace holds the reasoning as sampled
             elif kind == "tool_result" and m["role"] == "user":
                 result = _text(b.get("content"), f"{where}.content.{j}.content")
                 messages.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")),
@@ -370,6 +395,8 @@ def responses_request(body: dict, history: dict[str, list[dict]]) -> tuple[Reque
                 messages[-1] = {**messages[-1], "tool_calls": messages[-1].get("tool_calls", []) + [call]}
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "reasoning":
+            continue   # the trace holds the reasoning as sampled
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
                              "content": _text(item.get("output"), f"{where}.output")})
@@ -450,6 +477,7 @@ class Reply:
     stop_sequence: str | None = None
     logprobs: list[dict] | None = None   # OpenAI's per-token form, when asked
     pieces: list[str] = field(default_factory=list)   # the text as streamed: one delta per sampled token
+    reasoning: str | None = None         # what the reasoning parser took out of the text
 
     def deltas(self) -> list[str]:
         return self.pieces or ([self.text] if self.text else [])
@@ -495,11 +523,15 @@ def _token_logprobs(tokenizer, ids: list[int], logprobs: list[float], tops: list
             for i, (t, lp) in enumerate(zip(ids[:n], logprobs[:n]))]
 
 
+EMPTY = {"role": "assistant", "content": ""}   # a reply with no text and no call
+
+
 class ChatSession:
     """The token-exact trace behind one rollout's requests, cut into segments."""
 
     def __init__(self, url: str, generate: Generate, tokenizer, sampling: dict, max_len: int,
-                 image_tokens=None):
+                 image_tokens=None, parsers: tuple = ()):
+        self.parsers = parsers   # (tool parser, reasoning parser or None): vLLM's, `reply_parsers`
         self.id = secrets.token_hex(8)
         self.image_tokens = image_tokens   # vision.ImageTokens for a vision-language model
         self.base_url = f"{url}/s/{self.id}/v1"            # for the OpenAI SDK
@@ -530,9 +562,12 @@ class ChatSession:
         last segment extended when the request extends its conversation; else a fresh segment
         (prompt is delta). Image pads come expanded (vision.py)."""
         native = tools if self.native_tools else None
-        n = len(self.keys)
-        if (self.segments and tools == self.tools and len(messages) > n
-                and [_key(m) for m in messages[:n]] == self.keys):
+        # The whole last conversation, or all but its reply when that was empty: the OpenAI Agents SDK
+        # (chat completions) drops an empty reply from the history it sends back.
+        held = [n for n in (len(self.keys), len(self.keys) - 1 if self.keys[-1:] == [_key(EMPTY)] else -1)
+                if 0 <= n < len(messages) and [_key(m) for m in messages[:n]] == self.keys[:n]]
+        if self.segments and tools == self.tools and held:
+            n = held[0]
             new = _template_messages(messages[n:], self.native_tools)
             try:
                 delta = delta_ids(self.tokenizer, self.rendered, self.reply_ids, new, native)
@@ -550,6 +585,7 @@ class ChatSession:
         return ids, ids, rendered, images
 
     async def complete(self, req: Request) -> Reply:
+        request = _parser_request(req.tools)
         prompt, delta, rendered, new_images = self.prompt(req.messages, req.tools)
         budget = self.max_len - len(prompt)
         if budget <= 0:  # no room for even one token: an empty, cut-off reply; nothing recorded
@@ -577,7 +613,7 @@ class ChatSession:
         cut = sampled.find(stop) if stop else -1   # the first match is where the engine stopped
         text = sampled[:cut] if cut >= 0 else sampled
         cutoff = out["finish_reason"] == "length"   # a call in a cut-off turn is not a call (the real APIs)
-        text, calls = (text, []) if cutoff else parse_tool_calls(text, 1 if req.single_call else None)
+        reasoning, text, calls = parse_reply(text, self.parsers, request, not cutoff, 1 if req.single_call else None)
         reply = {"role": "assistant", "content": text, "tool_calls": calls}
         self.keys = [_key(m) for m in req.messages] + [_key(reply)]
         self.rendered = rendered + [{"role": "assistant", "content": sampled}]
@@ -586,7 +622,7 @@ class ChatSession:
         logprobs = None if req.top_logprobs is None else \
             _token_logprobs(self.tokenizer, ids, out["logprobs"], out.get("top_logprobs"))
         return Reply(text, calls, finish, len(prompt), len(ids), stop if cut >= 0 else None, logprobs,
-                     _pieces(self.tokenizer, ids, text))
+                     _pieces(self.tokenizer, ids, text), reasoning)
 
 
 # ---------------------------------------------------------------- replies: one Reply -> each API, whole or streamed
@@ -609,8 +645,9 @@ def openai_response(reply: Reply, model: str, req: Request) -> dict | list[Event
     logprobs = None if reply.logprobs is None else {"content": reply.logprobs, "refusal": None}
     text = reply.text if reply.text or not reply.tool_calls else None
     head = {"id": _id("chatcmpl"), "created": int(time.time()), "model": model}
+    think = {"reasoning_content": reply.reasoning} if reply.reasoning else {}   # as DeepSeek's API and LiteLLM
     if not req.stream:
-        message: dict = {"role": "assistant", "content": text}
+        message: dict = {"role": "assistant", "content": text, **think}
         if reply.tool_calls:
             message["tool_calls"] = _openai_calls(reply)
         return {**head, "object": "chat.completion", "usage": usage,
@@ -620,7 +657,7 @@ def openai_response(reply: Reply, model: str, req: Request) -> dict | list[Event
     def chunk(delta: dict, finish: str | None = None, lp: dict | None = None) -> Event:
         return None, {**head, "object": "chat.completion.chunk", **extra,
                       "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}]}
-    events = [chunk({"role": "assistant", "content": ""})]
+    events = [chunk({"role": "assistant", "content": ""})] + ([chunk(think)] if think else [])
     if text:
         per_token = reply.logprobs is not None and len(reply.pieces) == len(reply.logprobs)
         for i, piece in enumerate(reply.deltas()):   # one chunk per sampled token, with its logprobs
@@ -637,7 +674,8 @@ def openai_response(reply: Reply, model: str, req: Request) -> dict | list[Event
 
 
 def anthropic_response(reply: Reply, model: str, req: Request) -> dict | list[Event]:
-    content = [{"type": "text", "text": reply.text}] if reply.text or not reply.tool_calls else []
+    content = [{"type": "thinking", "thinking": reply.reasoning, "signature": ""}] if reply.reasoning else []
+    content += [{"type": "text", "text": reply.text}] if reply.text or not reply.tool_calls else []
     content += [{"type": "tool_use", "id": c["id"], "name": c["name"], "input": c["arguments"]}
                 for c in reply.tool_calls]
     stop = "stop_sequence" if reply.stop_sequence else \
@@ -654,6 +692,8 @@ def anthropic_response(reply: Reply, model: str, req: Request) -> dict | list[Ev
     for i, block in enumerate(content):
         if block["type"] == "text":
             start, deltas = {"type": "text", "text": ""}, [{"type": "text_delta", "text": t} for t in reply.deltas()]
+        elif block["type"] == "thinking":
+            start, deltas = {**block, "thinking": ""}, [{"type": "thinking_delta", "thinking": reply.reasoning}]
         else:
             start = {**block, "input": {}}
             deltas = [{"type": "input_json_delta", "partial_json": json.dumps(block["input"])}]
@@ -669,7 +709,8 @@ def anthropic_response(reply: Reply, model: str, req: Request) -> dict | list[Ev
 def responses_response(reply: Reply, model: str, req: Request, body: dict) -> tuple[str, dict | list[Event]]:
     """(the response id, the response or its events)."""
     done = "incomplete" if reply.finish == "length" else "completed"
-    output = []
+    output = [{"type": "reasoning", "id": _id("rs"), "summary": [], "status": done,
+               "content": [{"type": "reasoning_text", "text": reply.reasoning}]}] if reply.reasoning else []
     if reply.text or not reply.tool_calls:
         output.append({"type": "message", "id": _id("msg"), "role": "assistant", "status": done, "content": [
             {"type": "output_text", "text": reply.text, "annotations": [], "logprobs": reply.logprobs or []}]})
@@ -706,6 +747,10 @@ def responses_response(reply: Reply, model: str, req: Request, body: dict) -> tu
                 event("response.output_text.delta", **at, content_index=0, delta=piece, logprobs=lp)
             event("response.output_text.done", **at, content_index=0, text=part["text"], logprobs=part["logprobs"])
             event("response.content_part.done", **at, content_index=0, part=part)
+        elif item["type"] == "reasoning":
+            event("response.output_item.added", output_index=i, item={**item, "status": "in_progress", "content": []})
+            event("response.reasoning_text.delta", **at, content_index=0, delta=reply.reasoning)
+            event("response.reasoning_text.done", **at, content_index=0, text=reply.reasoning)
         else:
             event("response.output_item.added", output_index=i,
                   item={**item, "status": "in_progress", "arguments": ""})
@@ -768,8 +813,10 @@ class ChatServer:
         segments = server.close_session(session.id); await server.stop()
     """
 
-    def __init__(self, model_name: str = "policy", api_key: str = "molt"):
+    def __init__(self, model_name: str = "policy", api_key: str = "molt", tool_parser: str = "hermes",
+                 reasoning_parser: str | None = None):
         self.model_name, self.api_key = model_name, api_key
+        self.parser_names = (tool_parser, reasoning_parser)   # vLLM's parsers of the policy's format
         self.sessions: dict[str, ChatSession] = {}
         self.url = ""
         self._runner = None
@@ -801,7 +848,8 @@ class ChatServer:
                      image_tokens=None) -> ChatSession:
         if not self.url:
             raise ValueError("ChatServer.open_session: call `await server.start()` first")
-        session = ChatSession(self.url, generate, tokenizer, sampling, max_len, image_tokens)
+        session = ChatSession(self.url, generate, tokenizer, sampling, max_len, image_tokens,
+                              reply_parsers(*self.parser_names, tokenizer))
         self.sessions[session.id] = session
         return session
 
