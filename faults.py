@@ -13,11 +13,10 @@ Stopping (launch.run uses all of this):
     prints one line and exits with 128 + the signal number.
 
 Never hang (the loop's agents):
-  - agent code (Env.reset/step, ChatAgent.run) runs on `AgentThreads`, off the driver's loop: all
-    of it on one agent event loop (a library's module-level async client, e.g. LiteLLM's, is bound
-    to the loop that first uses it). A step that blocks that loop (time.sleep, a blocking HTTP call)
-    stalls the rollouts on it, new rollouts go to another thread's loop, the driver's loop keeps
-    serving the engine, and --agent_timeout still fires (the drop message shows where it is stuck).
+  - agent code (Env.reset/step, ChatAgent.run) runs on `AgentThreads`, all on one agent event loop
+    (a library's module-level async client, e.g. LiteLLM's, binds to its first loop). A step that
+    blocks it (time.sleep, blocking HTTP) stalls its rollouts, new ones go to another thread's loop,
+    the driver's loop keeps serving the engine, and --agent_timeout still fires (naming where).
   - `Watchdog` (a thread) checks that the driver's loop and the agent loops keep turning; one
     that has not run for BLOCKED_S seconds is reported once with its thread's stack.
 """

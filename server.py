@@ -3,52 +3,17 @@
 (The agent contract, `ChatAgent` and `run_chat_agent`, is in agent.py; this is the HTTP half.
 The trace and its rendering, `Trajectory`, `render`/`encode`, `delta_ids`, `sample`, are trajectory.py's.)
 
-`ChatServer` (aiohttp, 127.0.0.1 only, in the caller's event loop) serves one URL
-prefix per rollout, `/s/<session>/v1/...`:
+`ChatServer` (aiohttp, 127.0.0.1 only, in the caller's event loop) serves one URL prefix per rollout,
+`/s/<session>/v1/`: POST chat/completions (OpenAI), responses (OpenAI; previous_response_id within the
+session) and messages (Anthropic), each streamed or not; POST messages/count_tokens; GET models.
 
-    POST chat/completions      OpenAI Chat Completions (stream or not)
-    POST responses             OpenAI Responses (stream or not; stateless, previous_response_id
-                               works within the session)
-    POST messages              Anthropic Messages (stream or not)
-    POST messages/count_tokens Anthropic token count of a request, as the trace would render it
-    GET  models                the one model, in a shape both SDKs parse
-
-Each API is decoded into one canonical request (`Request`: messages {"role",
-"content": str | parts, "tool_calls"?, "tool_call_id"?}, tools, limits, stop
-strings) and a `ChatSession` turns requests into a token-exact trace: the first
-request is rendered with the chat template and tokenized once; a request that
-extends the last one (its messages, the reply as returned, new messages) appends
-only the delta, unmasked; a request that rewrites the prefix (compaction, edited
-history, a template that re-renders old turns) starts a new segment. Equivalent
-history re-sent in another form (text parts for a string, `content: null` with
-tool calls, other tool-call ids, other argument JSON spacing) is the same history.
-The reply is one completion of sampled ids; a streamed reply is the same reply
-rendered as server-sent events, so streaming never changes the trace.
-
-The server's rules:
-  - sampling is the run's (`ctx.sampling_params`): request temperature, top_p, top_k
-    and seed are ignored so every token keeps the run's logprob convention (the reply
-    header `x-molt-ignored` names them); `n` > 1 is refused (400);
-  - every other field is honoured or refused (400): unknown fields as the real APIs
-    refuse them, known ones we cannot honour (tool_choice "required", structured
-    output, penalties, reasoning settings...) unless given their default;
-  - stop strings (`stop`, `stop_sequences`) end generation at the first sampled
-    token that completes one; the trace keeps the ids up to and including it, the
-    reply text is cut before the stop string;
-  - `max_tokens` / `max_completion_tokens` / `max_output_tokens` is clamped to the
-    run's per-turn limit and to what is left of `max_len`; with no room left the
-    reply is empty and cut off ("length" / "max_tokens"), nothing recorded;
-  - a retry (header `x-stainless-retry-count` > 0, as the stock SDKs send it) of the last
-    body gets the first reply, recorded once, with the header `x-molt-cached: true`; any
-    other request samples anew, an identical body included;
-  - tools: a template that knows `tools` gets them natively; otherwise they are
-    described in the system message and calls are written as
-    `<tool_call>{"name": ..., "arguments": ...}</tool_call>`, which a reply's text is
-    parsed for; a block whose arguments are not a JSON object, a call in a reply cut off by
-    max_tokens, and calls past the first when parallel tool calls are off stay text;
-    text and images only; an Anthropic prefill (a final assistant message) is refused;
-  - client input never gives a 5xx: bad JSON, bad encodings, nesting, oversized bodies
-    (413) and bad fields get the API's 4xx error body.
+Each API is decoded into one canonical request (`Request`) and a `ChatSession` turns requests
+into a token-exact trace: the first request is rendered with the chat template and tokenized
+once; one that extends the last (its messages, the reply as returned, new messages) appends only
+the delta, unmasked; one that rewrites the prefix starts a new segment. A reply is one completion
+of sampled ids, split into reasoning, text and tool calls by vLLM's own parsers (`reply_parsers`);
+streamed, it is the same reply as server-sent events: neither changes the trace. What each API
+field gets (honoured; ignored, named in `x-molt-ignored`; a 400, never a 5xx): docs/server.md.
 """
 
 from __future__ import annotations
@@ -91,9 +56,8 @@ def reply_parsers(tool: str, reasoning: str | None, tokenizer) -> tuple[Any, Any
     from vllm.reasoning import ReasoningParserManager as Reasoning
     from vllm.tool_parsers import ToolParserManager as Tools
     made = []
-    for flag, name, names, get in (("tool_parser", tool, Tools.list_registered(), Tools.get_tool_parser),
-                                   ("reasoning_parser", reasoning, Reasoning.list_registered(),
-                                    Reasoning.get_reasoning_parser)):
+    for flag, name, get, names in (("tool_parser", tool, Tools.get_tool_parser, Tools.list_registered()),
+                                   ("reasoning_parser", reasoning, Reasoning.get_reasoning_parser, Reasoning.list_registered())):
         if name is not None and name not in names:
             raise ValueError(f"--{flag} {name!r} is not one of vLLM's: {', '.join(names)}")
         try:
@@ -104,9 +68,8 @@ def reply_parsers(tool: str, reasoning: str | None, tokenizer) -> tuple[Any, Any
 
 
 def parse_reply(text: str, parsers: tuple, request, calls: bool, most: int | None) -> tuple[str | None, str, list]:
-    """(reasoning, text, tool calls {"id", "name", "arguments"}) of a sampled reply by vLLM's parsers
-    (`request`: its ChatCompletionRequest); the sampled ids are untouched. Only arguments that are a
-    JSON object make calls (agents index them): otherwise the reply stays text; at most `most` calls."""
+    """(reasoning, text, calls {"id", "name", "arguments"}) of a reply's text by vLLM's parsers (ids untouched).
+    Only JSON-object arguments make calls (agents index them; else the reply stays text); at most `most`."""
     tool, thinking = parsers
     reasoning = None
     if thinking:
@@ -337,13 +300,11 @@ def anthropic_request(body: dict, count_only: bool = False) -> Request:
                 _need(isinstance(b.get("input", {}), dict),
                       f"{where}.content.{j}.input: Input should be a valid dictionary")
                 calls.append(_call(b.get("name"), b.get("input", {}), b.get("id"), f"{where}.content.{j}"))
-            elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
-                continue   # the trace holds the reasoning as sampled
             elif kind == "tool_result" and m["role"] == "user":
                 result = _text(b.get("content"), f"{where}.content.{j}.content")
                 messages.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")),
                                  "content": ("Error: " if b.get("is_error") else "") + result})
-            else:
+            elif kind not in ("thinking", "redacted_thinking") or m["role"] != "assistant":   # the trace has those
                 raise BadRequest(f"{where}.content.{j}: unsupported block {kind!r} (text, "
                                  "tool_use in assistant turns and tool_result in user turns only)")
         if text or calls or not blocks:
@@ -395,12 +356,10 @@ def responses_request(body: dict, history: dict[str, list[dict]]) -> tuple[Reque
                 messages[-1] = {**messages[-1], "tool_calls": messages[-1].get("tool_calls", []) + [call]}
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "reasoning":
-            continue   # the trace holds the reasoning as sampled
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
                              "content": _text(item.get("output"), f"{where}.output")})
-        else:
+        elif kind != "reasoning":   # reasoning items: the trace holds the reasoning as sampled
             raise BadRequest(f"{where}: unsupported item type {kind!r} (message, function_call and "
                              "function_call_output only)")
     tools = body.get("tools") or None
@@ -484,9 +443,8 @@ class Reply:
 
 
 def _pieces(tokenizer, ids: list[int], text: str) -> list[str]:
-    """`text` as one piece per sampled token (a final end-of-turn aside), when the pieces make
-    exactly the text; else [] (tool calls, a stop cut, a character split across tokens: the
-    text then streams whole)."""
+    """`text` as one piece per sampled token (a final end-of-turn aside) when they make exactly the text;
+    else [] (tool calls, reasoning, a stop cut, a character split across tokens: it streams whole)."""
     if ids and ids[-1] == tokenizer.eos_token_id:
         ids = ids[:-1]
     pieces = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
@@ -530,13 +488,12 @@ class ChatSession:
     """The token-exact trace behind one rollout's requests, cut into segments."""
 
     def __init__(self, url: str, generate: Generate, tokenizer, sampling: dict, max_len: int,
-                 image_tokens=None, parsers: tuple = ()):
-        self.parsers = parsers   # (tool parser, reasoning parser or None): vLLM's, `reply_parsers`
+                 image_tokens=None, parsers: tuple = (None, None)):
         self.id = secrets.token_hex(8)
         self.image_tokens = image_tokens   # vision.ImageTokens for a vision-language model
         self.base_url = f"{url}/s/{self.id}/v1"            # for the OpenAI SDK
         self.anthropic_base_url = f"{url}/s/{self.id}"     # the Anthropic SDK appends /v1/messages
-        self.generate, self.tokenizer = generate, tokenizer
+        self.generate, self.tokenizer, self.parsers = generate, tokenizer, parsers   # parsers: `reply_parsers`
         self.sampling, self.max_len = dict(sampling), max_len
         self.native_tools = "tools" in (getattr(tokenizer, "chat_template", None) or "")
         self.segments: list[Trajectory] = []   # sealed segments; the last one is still growing
@@ -558,9 +515,8 @@ class ChatSession:
 
     def prompt(self, messages: list[dict],
                tools: list[dict] | None) -> tuple[list[int], list[int], list[dict], list[str]]:
-        """(prompt ids, ids new to the trace, template messages, images new to the trace): the
-        last segment extended when the request extends its conversation; else a fresh segment
-        (prompt is delta). Image pads come expanded (vision.py)."""
+        """(prompt ids, ids new to the trace, template messages, images new to the trace): the last segment
+        extended when the request extends its conversation, else a fresh one (prompt is delta); pads expanded."""
         native = tools if self.native_tools else None
         # The whole last conversation, or all but its reply when that was empty: the OpenAI Agents SDK
         # (chat completions) drops an empty reply from the history it sends back.
@@ -737,9 +693,10 @@ def responses_response(reply: Reply, model: str, req: Request, body: dict) -> tu
     event("response.in_progress", response={**response, "status": "in_progress", "output": [], "usage": None})
     for i, item in enumerate(output):
         at = {"item_id": item["id"], "output_index": i}
+        empty = {"content": []} if item["type"] != "function_call" else {"arguments": ""}
+        event("response.output_item.added", output_index=i, item={**item, "status": "in_progress", **empty})
         if item["type"] == "message":
             part = item["content"][0]
-            event("response.output_item.added", output_index=i, item={**item, "status": "in_progress", "content": []})
             event("response.content_part.added", **at, content_index=0, part={**part, "text": "", "logprobs": []})
             per_token = reply.logprobs is not None and len(reply.pieces) == len(reply.logprobs)
             for j, piece in enumerate(reply.deltas()):   # one delta per sampled token, with its logprobs
@@ -748,12 +705,9 @@ def responses_response(reply: Reply, model: str, req: Request, body: dict) -> tu
             event("response.output_text.done", **at, content_index=0, text=part["text"], logprobs=part["logprobs"])
             event("response.content_part.done", **at, content_index=0, part=part)
         elif item["type"] == "reasoning":
-            event("response.output_item.added", output_index=i, item={**item, "status": "in_progress", "content": []})
             event("response.reasoning_text.delta", **at, content_index=0, delta=reply.reasoning)
             event("response.reasoning_text.done", **at, content_index=0, text=reply.reasoning)
         else:
-            event("response.output_item.added", output_index=i,
-                  item={**item, "status": "in_progress", "arguments": ""})
             event("response.function_call_arguments.delta", **at, delta=item["arguments"])
             event("response.function_call_arguments.done", **at, arguments=item["arguments"], name=item["name"])
         event("response.output_item.done", output_index=i, item=item)
@@ -797,21 +751,16 @@ async def _read_json(request) -> dict:
 
 
 def _is_retry(request) -> bool:
-    """Whether the client says this request retries its last one: both stock SDKs (and the
-    libraries built on them) send `x-stainless-retry-count`, > 0 on a retry. Without it an
-    identical body is a new sample (an agent may ask the same thing twice on purpose)."""
+    """Whether the client retries its last request: both stock SDKs send `x-stainless-retry-count` > 0.
+    Without it an identical body is a new sample (an agent may ask the same thing twice on purpose)."""
     count = request.headers.get("x-stainless-retry-count", "0")
     return count.isdigit() and int(count) > 0
 
 
 class ChatServer:
-    """Loopback OpenAI/Anthropic server (aiohttp) in the caller's event loop, 127.0.0.1 only.
-
-        server = ChatServer(); await server.start()
-        session = server.open_session(generate, tokenizer, sampling=..., max_len=...)
-        ... requests to session.base_url / session.anthropic_base_url ...
-        segments = server.close_session(session.id); await server.stop()
-    """
+    """Loopback OpenAI/Anthropic server: `await server.start()`; `session = server.open_session(generate,
+    tokenizer, sampling=..., max_len=...)`; requests to `session.base_url` / `session.anthropic_base_url`;
+    `segments = server.close_session(session.id)`; `await server.stop()`."""
 
     def __init__(self, model_name: str = "policy", api_key: str = "molt", tool_parser: str = "hermes",
                  reasoning_parser: str | None = None):
@@ -911,8 +860,7 @@ class ChatServer:
     async def _models(self, request):
         """The one model, in a shape both SDKs parse (OpenAI's list and Anthropic's page)."""
         from aiohttp import web
-        created = int(time.time())
-        model = {"id": self.model_name, "object": "model", "created": created, "owned_by": "molt",
+        model = {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "molt",
                  "type": "model", "display_name": self.model_name, "created_at": "1970-01-01T00:00:00Z"}
         if request.match_info["session"] not in self.sessions:
             return web.json_response(error_body("openai", 404, "no open session"), status=404)
