@@ -50,14 +50,14 @@ def _need(cond: Any, message: str):
 
 @functools.lru_cache(maxsize=8)
 def reply_parsers(tool: str, reasoning: str | None, tokenizer) -> tuple[Any, Any]:
-    """vLLM's tool parser and reasoning parser (None: none) of these names for `tokenizer`: the ones its
-    OpenAI server picks with --tool-call-parser / --reasoning-parser. ValueError for a name vLLM does not
-    register, or a parser whose special tokens the tokenizer lacks."""
+    """vLLM's tool and reasoning parsers (None: none) for `tokenizer`, as its server's --tool-call-parser /
+    --reasoning-parser pick them. ValueError: a name vLLM lacks, or special tokens the tokenizer lacks."""
     from vllm.reasoning import ReasoningParserManager as Reasoning
     from vllm.tool_parsers import ToolParserManager as Tools
     made = []
     for flag, name, get, names in (("tool_parser", tool, Tools.get_tool_parser, Tools.list_registered()),
-                                   ("reasoning_parser", reasoning, Reasoning.get_reasoning_parser, Reasoning.list_registered())):
+                                   ("reasoning_parser", reasoning, Reasoning.get_reasoning_parser,
+                                    Reasoning.list_registered())):
         if name is not None and name not in names:
             raise ValueError(f"--{flag} {name!r} is not one of vLLM's: {', '.join(names)}")
         try:
@@ -71,10 +71,8 @@ def parse_reply(text: str, parsers: tuple, request, calls: bool, most: int | Non
     """(reasoning, text, calls {"id", "name", "arguments"}) of a reply's text by vLLM's parsers (ids untouched).
     Only JSON-object arguments make calls (agents index them; else the reply stays text); at most `most`."""
     tool, thinking = parsers
-    reasoning = None
-    if thinking:
-        reasoning, text = thinking.extract_reasoning(text, request)
-        text = text or ""
+    reasoning, text = thinking.extract_reasoning(text, request) if thinking else (None, text)
+    text = text or ""
     found = tool.extract_tool_calls(text, request) if calls and request.tools else None
     got = [{"id": c.id, "name": c.function.name, "arguments": _json_args(c.function.arguments)}
            for c in (found.tool_calls if found and found.tools_called else [])]
@@ -83,8 +81,7 @@ def parse_reply(text: str, parsers: tuple, request, calls: bool, most: int | Non
     return reasoning, (found.content or "").strip(), got[:most]
 
 
-def _parser_request(tools: list[dict] | None):
-    """The vLLM request object its parsers read (the tools offered)."""
+def _parser_request(tools: list[dict] | None):   # what vLLM's parsers read: the tools offered
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     try:
         return ChatCompletionRequest(model="policy", messages=[], tools=tools)
