@@ -38,7 +38,7 @@ async def evaluate(cfg: dict, client, agent_cls: type, tokenizer, rows: list[dic
 
     own_server = server is None and issubclass(agent_cls, agents.ChatAgent)
     if own_server:  # --eval_only: no training loop has started one
-        server = ChatServer()
+        server = ChatServer(tool_parser=cfg["tool_parser"], reasoning_parser=cfg["reasoning_parser"])
         await server.start()
     try:
         results = await asyncio.gather(*[one(r) for r in rows for _ in range(k)])

@@ -13,10 +13,10 @@ Stopping (launch.run uses all of this):
     prints one line and exits with 128 + the signal number.
 
 Never hang (the loop's agents):
-  - agent code (Env.reset/step, ChatAgent.run) runs on `AgentThreads`: a few threads, each
-    with an event loop of its own. A step that blocks its thread (time.sleep, a blocking HTTP
-    call) stalls only the rollouts on that thread; the driver's loop keeps serving the engine,
-    and --agent_timeout still fires (the drop message shows where the agent is stuck).
+  - agent code (Env.reset/step, ChatAgent.run) runs on `AgentThreads`, all on one agent event loop
+    (a library's module-level async client, e.g. LiteLLM's, binds to its first loop). A step that
+    blocks it (time.sleep, blocking HTTP) stalls its rollouts, new ones go to another thread's loop,
+    the driver's loop keeps serving the engine, and --agent_timeout still fires (naming where).
   - `Watchdog` (a thread) checks that the driver's loop and the agent loops keep turning; one
     that has not run for BLOCKED_S seconds is reported once with its thread's stack.
 """
@@ -42,7 +42,8 @@ from typing import Any, Callable
 log = logging.getLogger("molt")
 TAG = "MOLT_RUN_ID"
 BLOCKED_S = 5.0       # an event loop silent this long is reported
-AGENT_THREADS = 16    # threads (each with its own event loop) that run agent code
+AGENT_THREADS = 64    # at most this many agent threads (each with its own event loop): one per blocked loop
+STALLED_S = 2.0       # a loop that has not ticked (every 0.5 s) for this long gets no new rollouts
 
 
 # ---------------------------------------------------------------- stopping
@@ -348,20 +349,19 @@ class AgentThread:
 
 
 class AgentThreads:
-    """AGENT_THREADS agent threads; a rollout takes the least-loaded one whose loop is not
-    blocked (a new thread if every one is: blocking agents cannot starve the others), and keeps it for all its calls (an Env's objects
-    may be bound to the loop they were made on)."""
+    """Agent threads: a rollout takes the first whose loop is not blocked, so async agent code shares
+    one loop while nothing blocks it (a new thread when every loop is blocked: blocking agents cannot
+    starve the others), and keeps it for all its calls (an Env's objects may be bound to its loop)."""
 
-    def __init__(self, n: int = AGENT_THREADS):
+    def __init__(self, n: int = 1):
         self.threads = [AgentThread(f"molt-agent-{i}") for i in range(n)]
 
     def take(self) -> AgentThread:
-        free = [t for t in self.threads if t.blocked_for() < 2.0]  # its loop ticks every 0.5 s when free
-        if not free and len(self.threads) < 4 * AGENT_THREADS:
-            free = [AgentThread(f"molt-agent-{len(self.threads)}")]
-            self.threads += free
-        free = free or self.threads  # all blocked, no more threads: share the least loaded
-        thread = min(free, key=lambda t: t.rollouts)
+        thread = next((t for t in self.threads if t.blocked_for() < STALLED_S), None)
+        if thread is None and len(self.threads) < AGENT_THREADS:
+            thread = AgentThread(f"molt-agent-{len(self.threads)}")
+            self.threads.append(thread)
+        thread = thread or min(self.threads, key=lambda t: t.rollouts)  # all blocked, no more threads
         thread.rollouts += 1
         return thread
 

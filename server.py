@@ -3,52 +3,17 @@
 (The agent contract, `ChatAgent` and `run_chat_agent`, is in agent.py; this is the HTTP half.
 The trace and its rendering, `Trajectory`, `render`/`encode`, `delta_ids`, `sample`, are trajectory.py's.)
 
-`ChatServer` (aiohttp, 127.0.0.1 only, in the caller's event loop) serves one URL
-prefix per rollout, `/s/<session>/v1/...`:
+`ChatServer` (aiohttp, 127.0.0.1 only, in the caller's event loop) serves one URL prefix per rollout,
+`/s/<session>/v1/`: POST chat/completions (OpenAI), responses (OpenAI; previous_response_id within the
+session) and messages (Anthropic), each streamed or not; POST messages/count_tokens; GET models.
 
-    POST chat/completions      OpenAI Chat Completions (stream or not)
-    POST responses             OpenAI Responses (stream or not; stateless, previous_response_id
-                               works within the session)
-    POST messages              Anthropic Messages (stream or not)
-    POST messages/count_tokens Anthropic token count of a request, as the trace would render it
-    GET  models                the one model, in a shape both SDKs parse
-
-Each API is decoded into one canonical request (`Request`: messages {"role",
-"content": str | parts, "tool_calls"?, "tool_call_id"?}, tools, limits, stop
-strings) and a `ChatSession` turns requests into a token-exact trace: the first
-request is rendered with the chat template and tokenized once; a request that
-extends the last one (its messages, the reply as returned, new messages) appends
-only the delta, unmasked; a request that rewrites the prefix (compaction, edited
-history, a template that re-renders old turns) starts a new segment. Equivalent
-history re-sent in another form (text parts for a string, `content: null` with
-tool calls, other tool-call ids, other argument JSON spacing) is the same history.
-The reply is one completion of sampled ids; a streamed reply is the same reply
-rendered as server-sent events, so streaming never changes the trace.
-
-The server's rules:
-  - sampling is the run's (`ctx.sampling_params`): request temperature, top_p, top_k
-    and seed are ignored so every token keeps the run's logprob convention (the reply
-    header `x-molt-ignored` names them); `n` > 1 is refused (400);
-  - every other field is honoured or refused (400): unknown fields as the real APIs
-    refuse them, known ones we cannot honour (tool_choice "required", structured
-    output, penalties, reasoning settings...) unless given their default;
-  - stop strings (`stop`, `stop_sequences`) end generation at the first sampled
-    token that completes one; the trace keeps the ids up to and including it, the
-    reply text is cut before the stop string;
-  - `max_tokens` / `max_completion_tokens` / `max_output_tokens` is clamped to the
-    run's per-turn limit and to what is left of `max_len`; with no room left the
-    reply is empty and cut off ("length" / "max_tokens"), nothing recorded;
-  - a retry (header `x-stainless-retry-count` > 0, as the stock SDKs send it) of the last
-    body gets the first reply, recorded once, with the header `x-molt-cached: true`; any
-    other request samples anew, an identical body included;
-  - tools: a template that knows `tools` gets them natively; otherwise they are
-    described in the system message and calls are written as
-    `<tool_call>{"name": ..., "arguments": ...}</tool_call>`, which a reply's text is
-    parsed for; a block whose arguments are not a JSON object, a call in a reply cut off by
-    max_tokens, and calls past the first when parallel tool calls are off stay text;
-    text and images only; an Anthropic prefill (a final assistant message) is refused;
-  - client input never gives a 5xx: bad JSON, bad encodings, nesting, oversized bodies
-    (413) and bad fields get the API's 4xx error body.
+Each API is decoded into one canonical request (`Request`) and a `ChatSession` turns requests
+into a token-exact trace: the first request is rendered with the chat template and tokenized
+once; one that extends the last (its messages, the reply as returned, new messages) appends only
+the delta, unmasked; one that rewrites the prefix starts a new segment. A reply is one completion
+of sampled ids, split into reasoning, text and tool calls by vLLM's own parsers (`reply_parsers`);
+streamed, it is the same reply as server-sent events: neither changes the trace. What each API
+field gets (honoured; ignored, named in `x-molt-ignored`; a 400, never a 5xx): docs/server.md.
 """
 
 from __future__ import annotations
@@ -83,27 +48,45 @@ def _need(cond: Any, message: str):
         raise BadRequest(message)
 
 
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
-def parse_tool_calls(text: str, most: int | None = None) -> tuple[str, list[dict]]:
-    """Split a reply into its text and its `<tool_call>{json}</tool_call>` calls
-    ({"id", "name", "arguments"}), at most `most` of them. A block that is not a call (not JSON,
-    no name, arguments that are not a JSON object) stays text, as do blocks past `most`."""
-    calls, kept, last = [], [], 0
-    for match in TOOL_CALL.finditer(text):
-        if most is not None and len(calls) >= most:
-            break
+@functools.lru_cache(maxsize=8)
+def reply_parsers(tool: str, reasoning: str | None, tokenizer) -> tuple[Any, Any]:
+    """vLLM's tool and reasoning parsers (None: none) for `tokenizer`, as its server's --tool-call-parser /
+    --reasoning-parser pick them. ValueError: a name vLLM lacks, or special tokens the tokenizer lacks."""
+    from vllm.reasoning import ReasoningParserManager as Reasoning
+    from vllm.tool_parsers import ToolParserManager as Tools
+    made = []
+    for flag, name, get, names in (("tool_parser", tool, Tools.get_tool_parser, Tools.list_registered()),
+                                   ("reasoning_parser", reasoning, Reasoning.get_reasoning_parser,
+                                    Reasoning.list_registered())):
+        if name is not None and name not in names:
+            raise ValueError(f"--{flag} {name!r} is not one of vLLM's: {', '.join(names)}")
         try:
-            call = json.loads(match.group(1))
-        except (json.JSONDecodeError, RecursionError):
-            continue
-        args = call.get("arguments", call.get("parameters", {})) if isinstance(call, dict) else None
-        if isinstance(args, dict) and isinstance(call.get("name"), str):   # agents index the arguments
-            calls.append({"id": f"call_{secrets.token_hex(6)}", "name": call["name"], "arguments": args})
-            kept.append(text[last:match.start()])
-            last = match.end()
-    return ("".join(kept + [text[last:]]).strip(), calls) if calls else (text, [])
+            made.append(name and get(name)(tokenizer))
+        except Exception as e:   # e.g. the template's special tokens are not in the vocabulary
+            raise ValueError(f"--{flag} {name}: does not fit the model's tokenizer ({e})") from None
+    return made[0], made[1]
+
+
+def parse_reply(text: str, parsers: tuple, request, calls: bool, most: int | None) -> tuple[str | None, str, list]:
+    """(reasoning, text, calls {"id", "name", "arguments"}) of a reply's text by vLLM's parsers (ids untouched).
+    Only JSON-object arguments make calls (agents index them; else the reply stays text); at most `most`."""
+    tool, thinking = parsers
+    reasoning, text = thinking.extract_reasoning(text, request) if thinking else (None, text)
+    text = text or ""
+    found = tool.extract_tool_calls(text, request) if calls and request.tools else None
+    got = [{"id": c.id, "name": c.function.name, "arguments": _json_args(c.function.arguments)}
+           for c in (found.tool_calls if found and found.tools_called else [])]
+    if not got or not all(isinstance(c["arguments"], dict) for c in got):
+        return reasoning, text, []
+    return reasoning, (found.content or "").strip(), got[:most]
+
+
+def _parser_request(tools: list[dict] | None):   # what vLLM's parsers read: the tools offered
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    try:
+        return ChatCompletionRequest(model="policy", messages=[], tools=tools)
+    except ValueError as e:
+        raise BadRequest(f"tools: {e}") from None
 
 
 # ---------------------------------------------------------------- requests: each API -> one canonical form
@@ -318,7 +301,7 @@ def anthropic_request(body: dict, count_only: bool = False) -> Request:
                 result = _text(b.get("content"), f"{where}.content.{j}.content")
                 messages.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")),
                                  "content": ("Error: " if b.get("is_error") else "") + result})
-            else:
+            elif kind not in ("thinking", "redacted_thinking") or m["role"] != "assistant":   # the trace has those
                 raise BadRequest(f"{where}.content.{j}: unsupported block {kind!r} (text, "
                                  "tool_use in assistant turns and tool_result in user turns only)")
         if text or calls or not blocks:
@@ -373,7 +356,7 @@ def responses_request(body: dict, history: dict[str, list[dict]]) -> tuple[Reque
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
                              "content": _text(item.get("output"), f"{where}.output")})
-        else:
+        elif kind != "reasoning":   # reasoning items: the trace holds the reasoning as sampled
             raise BadRequest(f"{where}: unsupported item type {kind!r} (message, function_call and "
                              "function_call_output only)")
     tools = body.get("tools") or None
@@ -450,15 +433,15 @@ class Reply:
     stop_sequence: str | None = None
     logprobs: list[dict] | None = None   # OpenAI's per-token form, when asked
     pieces: list[str] = field(default_factory=list)   # the text as streamed: one delta per sampled token
+    reasoning: str | None = None         # what the reasoning parser took out of the text
 
     def deltas(self) -> list[str]:
         return self.pieces or ([self.text] if self.text else [])
 
 
 def _pieces(tokenizer, ids: list[int], text: str) -> list[str]:
-    """`text` as one piece per sampled token (a final end-of-turn aside), when the pieces make
-    exactly the text; else [] (tool calls, a stop cut, a character split across tokens: the
-    text then streams whole)."""
+    """`text` as one piece per sampled token (a final end-of-turn aside) when they make exactly the text;
+    else [] (tool calls, reasoning, a stop cut, a character split across tokens: it streams whole)."""
     if ids and ids[-1] == tokenizer.eos_token_id:
         ids = ids[:-1]
     pieces = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
@@ -495,16 +478,19 @@ def _token_logprobs(tokenizer, ids: list[int], logprobs: list[float], tops: list
             for i, (t, lp) in enumerate(zip(ids[:n], logprobs[:n]))]
 
 
+EMPTY = {"role": "assistant", "content": ""}   # a reply with no text and no call
+
+
 class ChatSession:
     """The token-exact trace behind one rollout's requests, cut into segments."""
 
     def __init__(self, url: str, generate: Generate, tokenizer, sampling: dict, max_len: int,
-                 image_tokens=None):
+                 image_tokens=None, parsers: tuple = (None, None)):
         self.id = secrets.token_hex(8)
         self.image_tokens = image_tokens   # vision.ImageTokens for a vision-language model
         self.base_url = f"{url}/s/{self.id}/v1"            # for the OpenAI SDK
         self.anthropic_base_url = f"{url}/s/{self.id}"     # the Anthropic SDK appends /v1/messages
-        self.generate, self.tokenizer = generate, tokenizer
+        self.generate, self.tokenizer, self.parsers = generate, tokenizer, parsers   # parsers: `reply_parsers`
         self.sampling, self.max_len = dict(sampling), max_len
         self.native_tools = "tools" in (getattr(tokenizer, "chat_template", None) or "")
         self.segments: list[Trajectory] = []   # sealed segments; the last one is still growing
@@ -526,13 +512,15 @@ class ChatSession:
 
     def prompt(self, messages: list[dict],
                tools: list[dict] | None) -> tuple[list[int], list[int], list[dict], list[str]]:
-        """(prompt ids, ids new to the trace, template messages, images new to the trace): the
-        last segment extended when the request extends its conversation; else a fresh segment
-        (prompt is delta). Image pads come expanded (vision.py)."""
+        """(prompt ids, ids new to the trace, template messages, images new to the trace): the last segment
+        extended when the request extends its conversation, else a fresh one (prompt is delta); pads expanded."""
         native = tools if self.native_tools else None
-        n = len(self.keys)
-        if (self.segments and tools == self.tools and len(messages) > n
-                and [_key(m) for m in messages[:n]] == self.keys):
+        # The whole last conversation, or all but its reply when that was empty: the OpenAI Agents SDK
+        # (chat completions) drops an empty reply from the history it sends back.
+        held = [n for n in (len(self.keys), len(self.keys) - 1 if self.keys[-1:] == [_key(EMPTY)] else -1)
+                if 0 <= n < len(messages) and [_key(m) for m in messages[:n]] == self.keys[:n]]
+        if self.segments and tools == self.tools and held:
+            n = held[0]
             new = _template_messages(messages[n:], self.native_tools)
             try:
                 delta = delta_ids(self.tokenizer, self.rendered, self.reply_ids, new, native)
@@ -550,6 +538,7 @@ class ChatSession:
         return ids, ids, rendered, images
 
     async def complete(self, req: Request) -> Reply:
+        request = _parser_request(req.tools)
         prompt, delta, rendered, new_images = self.prompt(req.messages, req.tools)
         budget = self.max_len - len(prompt)
         if budget <= 0:  # no room for even one token: an empty, cut-off reply; nothing recorded
@@ -577,7 +566,7 @@ class ChatSession:
         cut = sampled.find(stop) if stop else -1   # the first match is where the engine stopped
         text = sampled[:cut] if cut >= 0 else sampled
         cutoff = out["finish_reason"] == "length"   # a call in a cut-off turn is not a call (the real APIs)
-        text, calls = (text, []) if cutoff else parse_tool_calls(text, 1 if req.single_call else None)
+        reasoning, text, calls = parse_reply(text, self.parsers, request, not cutoff, 1 if req.single_call else None)
         reply = {"role": "assistant", "content": text, "tool_calls": calls}
         self.keys = [_key(m) for m in req.messages] + [_key(reply)]
         self.rendered = rendered + [{"role": "assistant", "content": sampled}]
@@ -586,7 +575,7 @@ class ChatSession:
         logprobs = None if req.top_logprobs is None else \
             _token_logprobs(self.tokenizer, ids, out["logprobs"], out.get("top_logprobs"))
         return Reply(text, calls, finish, len(prompt), len(ids), stop if cut >= 0 else None, logprobs,
-                     _pieces(self.tokenizer, ids, text))
+                     _pieces(self.tokenizer, ids, text), reasoning)
 
 
 # ---------------------------------------------------------------- replies: one Reply -> each API, whole or streamed
@@ -609,8 +598,9 @@ def openai_response(reply: Reply, model: str, req: Request) -> dict | list[Event
     logprobs = None if reply.logprobs is None else {"content": reply.logprobs, "refusal": None}
     text = reply.text if reply.text or not reply.tool_calls else None
     head = {"id": _id("chatcmpl"), "created": int(time.time()), "model": model}
+    think = {"reasoning_content": reply.reasoning} if reply.reasoning else {}   # as DeepSeek's API and LiteLLM
     if not req.stream:
-        message: dict = {"role": "assistant", "content": text}
+        message: dict = {"role": "assistant", "content": text, **think}
         if reply.tool_calls:
             message["tool_calls"] = _openai_calls(reply)
         return {**head, "object": "chat.completion", "usage": usage,
@@ -620,7 +610,7 @@ def openai_response(reply: Reply, model: str, req: Request) -> dict | list[Event
     def chunk(delta: dict, finish: str | None = None, lp: dict | None = None) -> Event:
         return None, {**head, "object": "chat.completion.chunk", **extra,
                       "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}]}
-    events = [chunk({"role": "assistant", "content": ""})]
+    events = [chunk({"role": "assistant", "content": ""})] + ([chunk(think)] if think else [])
     if text:
         per_token = reply.logprobs is not None and len(reply.pieces) == len(reply.logprobs)
         for i, piece in enumerate(reply.deltas()):   # one chunk per sampled token, with its logprobs
@@ -637,7 +627,8 @@ def openai_response(reply: Reply, model: str, req: Request) -> dict | list[Event
 
 
 def anthropic_response(reply: Reply, model: str, req: Request) -> dict | list[Event]:
-    content = [{"type": "text", "text": reply.text}] if reply.text or not reply.tool_calls else []
+    content = [{"type": "thinking", "thinking": reply.reasoning, "signature": ""}] if reply.reasoning else []
+    content += [{"type": "text", "text": reply.text}] if reply.text or not reply.tool_calls else []
     content += [{"type": "tool_use", "id": c["id"], "name": c["name"], "input": c["arguments"]}
                 for c in reply.tool_calls]
     stop = "stop_sequence" if reply.stop_sequence else \
@@ -654,6 +645,8 @@ def anthropic_response(reply: Reply, model: str, req: Request) -> dict | list[Ev
     for i, block in enumerate(content):
         if block["type"] == "text":
             start, deltas = {"type": "text", "text": ""}, [{"type": "text_delta", "text": t} for t in reply.deltas()]
+        elif block["type"] == "thinking":
+            start, deltas = {**block, "thinking": ""}, [{"type": "thinking_delta", "thinking": reply.reasoning}]
         else:
             start = {**block, "input": {}}
             deltas = [{"type": "input_json_delta", "partial_json": json.dumps(block["input"])}]
@@ -669,7 +662,8 @@ def anthropic_response(reply: Reply, model: str, req: Request) -> dict | list[Ev
 def responses_response(reply: Reply, model: str, req: Request, body: dict) -> tuple[str, dict | list[Event]]:
     """(the response id, the response or its events)."""
     done = "incomplete" if reply.finish == "length" else "completed"
-    output = []
+    output = [{"type": "reasoning", "id": _id("rs"), "summary": [], "status": done,
+               "content": [{"type": "reasoning_text", "text": reply.reasoning}]}] if reply.reasoning else []
     if reply.text or not reply.tool_calls:
         output.append({"type": "message", "id": _id("msg"), "role": "assistant", "status": done, "content": [
             {"type": "output_text", "text": reply.text, "annotations": [], "logprobs": reply.logprobs or []}]})
@@ -696,9 +690,10 @@ def responses_response(reply: Reply, model: str, req: Request, body: dict) -> tu
     event("response.in_progress", response={**response, "status": "in_progress", "output": [], "usage": None})
     for i, item in enumerate(output):
         at = {"item_id": item["id"], "output_index": i}
+        empty = {"content": []} if item["type"] != "function_call" else {"arguments": ""}
+        event("response.output_item.added", output_index=i, item={**item, "status": "in_progress", **empty})
         if item["type"] == "message":
             part = item["content"][0]
-            event("response.output_item.added", output_index=i, item={**item, "status": "in_progress", "content": []})
             event("response.content_part.added", **at, content_index=0, part={**part, "text": "", "logprobs": []})
             per_token = reply.logprobs is not None and len(reply.pieces) == len(reply.logprobs)
             for j, piece in enumerate(reply.deltas()):   # one delta per sampled token, with its logprobs
@@ -706,9 +701,10 @@ def responses_response(reply: Reply, model: str, req: Request, body: dict) -> tu
                 event("response.output_text.delta", **at, content_index=0, delta=piece, logprobs=lp)
             event("response.output_text.done", **at, content_index=0, text=part["text"], logprobs=part["logprobs"])
             event("response.content_part.done", **at, content_index=0, part=part)
+        elif item["type"] == "reasoning":
+            event("response.reasoning_text.delta", **at, content_index=0, delta=reply.reasoning)
+            event("response.reasoning_text.done", **at, content_index=0, text=reply.reasoning)
         else:
-            event("response.output_item.added", output_index=i,
-                  item={**item, "status": "in_progress", "arguments": ""})
             event("response.function_call_arguments.delta", **at, delta=item["arguments"])
             event("response.function_call_arguments.done", **at, arguments=item["arguments"], name=item["name"])
         event("response.output_item.done", output_index=i, item=item)
@@ -752,24 +748,21 @@ async def _read_json(request) -> dict:
 
 
 def _is_retry(request) -> bool:
-    """Whether the client says this request retries its last one: both stock SDKs (and the
-    libraries built on them) send `x-stainless-retry-count`, > 0 on a retry. Without it an
-    identical body is a new sample (an agent may ask the same thing twice on purpose)."""
+    """Whether the client retries its last request: both stock SDKs send `x-stainless-retry-count` > 0.
+    Without it an identical body is a new sample (an agent may ask the same thing twice on purpose)."""
     count = request.headers.get("x-stainless-retry-count", "0")
     return count.isdigit() and int(count) > 0
 
 
 class ChatServer:
-    """Loopback OpenAI/Anthropic server (aiohttp) in the caller's event loop, 127.0.0.1 only.
+    """Loopback OpenAI/Anthropic server: `await server.start()`; `session = server.open_session(generate,
+    tokenizer, sampling=..., max_len=...)`; requests to `session.base_url` / `session.anthropic_base_url`;
+    `segments = server.close_session(session.id)`; `await server.stop()`."""
 
-        server = ChatServer(); await server.start()
-        session = server.open_session(generate, tokenizer, sampling=..., max_len=...)
-        ... requests to session.base_url / session.anthropic_base_url ...
-        segments = server.close_session(session.id); await server.stop()
-    """
-
-    def __init__(self, model_name: str = "policy", api_key: str = "molt"):
+    def __init__(self, model_name: str = "policy", api_key: str = "molt", tool_parser: str = "hermes",
+                 reasoning_parser: str | None = None):
         self.model_name, self.api_key = model_name, api_key
+        self.parser_names = (tool_parser, reasoning_parser)   # vLLM's parsers of the policy's format
         self.sessions: dict[str, ChatSession] = {}
         self.url = ""
         self._runner = None
@@ -801,7 +794,8 @@ class ChatServer:
                      image_tokens=None) -> ChatSession:
         if not self.url:
             raise ValueError("ChatServer.open_session: call `await server.start()` first")
-        session = ChatSession(self.url, generate, tokenizer, sampling, max_len, image_tokens)
+        session = ChatSession(self.url, generate, tokenizer, sampling, max_len, image_tokens,
+                              reply_parsers(*self.parser_names, tokenizer))
         self.sessions[session.id] = session
         return session
 
@@ -863,8 +857,7 @@ class ChatServer:
     async def _models(self, request):
         """The one model, in a shape both SDKs parse (OpenAI's list and Anthropic's page)."""
         from aiohttp import web
-        created = int(time.time())
-        model = {"id": self.model_name, "object": "model", "created": created, "owned_by": "molt",
+        model = {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "molt",
                  "type": "model", "display_name": self.model_name, "created_at": "1970-01-01T00:00:00Z"}
         if request.match_info["session"] not in self.sessions:
             return web.json_response(error_body("openai", 404, "no open session"), status=404)

@@ -234,6 +234,30 @@ def test_template_that_rerenders_history_starts_a_segment(server, loop, tiny_mod
     assert tok.decode(segs[1].tokens) == "<|user|>1?2=<|end|><|assistant|><|end|><|user|>3?4=<|end|><|assistant|>4<|end|>"
 
 
+@pytest.mark.parametrize("reply", ["", "<|assistant|>1<|user|>", "3 "])
+def test_a_history_with_the_servers_own_reply_extends_the_trace(server, loop, tiny_tokenizer, reply):
+    """Whatever the reply holds (nothing, special-token text, trailing whitespace), sending it back
+    as the library keeps it extends the one trace: the OpenAI Agents SDK (chat completions) drops an
+    empty reply from the history it sends, which is still the same conversation."""
+    from agents import Agent, OpenAIChatCompletionsModel, RunConfig, Runner
+    rec = fake(tiny_tokenizer, [reply, "9"])
+
+    class AgentsSDK(ChatAgent):
+        async def run(self, ctx):
+            async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+                agent, config = Agent(name="m", model=OpenAIChatCompletionsModel("m", client)), \
+                    RunConfig(tracing_disabled=True)
+                first = await Runner.run(agent, ctx.prompt, run_config=config)
+                await Runner.run(agent, first.to_input_list() + [{"role": "user", "content": "?3="}], run_config=config)
+            return Result(reward=1.0)
+    segs = loop.run_until_complete(agents.run_chat_agent(AgentsSDK(), {"prompt": "1?2="}, rec, tiny_tokenizer, server,
+                                                         sampling=SAMPLING, max_len=64))
+    assert len(segs) == 1
+    check_token_exact(segs, rec.calls)
+    assert tiny_tokenizer.decode(segs[0].tokens) == f"<|user|>1?2=<|end|><|assistant|>{reply}<|end|><|user|>?3=<|end|>" \
+        "<|assistant|>9<|end|>"
+
+
 async def _post(http, url, body, headers=None):
     async with http.post(url, data=body if isinstance(body, (str, bytes)) else json.dumps(body),
                          headers=headers) as r:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -14,6 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 
 import faults
@@ -153,9 +155,10 @@ def test_agent_thread_keeps_the_loop_free_and_watchdog_names_the_blocker(monkeyp
     """Unit: a step that blocks runs on an agent thread (the loop's timeout fires); a loop that
     is blocked is reported with the stack of the code blocking it."""
     monkeypatch.setattr(faults, "BLOCKED_S", 0.5)
+    monkeypatch.setattr(faults, "STALLED_S", 1.0)
 
     async def blocking_step():
-        time.sleep(2.0)
+        time.sleep(3.0)
         return "done"
 
     def block_the_loop_here():
@@ -167,6 +170,8 @@ def test_agent_thread_keeps_the_loop_free_and_watchdog_names_the_blocker(monkeyp
         thread = threads.take()
         with pytest.raises(asyncio.TimeoutError):   # inline, the sleep would finish first
             await asyncio.wait_for(thread.call(blocking_step), 0.2)
+        while thread.blocked_for() < faults.STALLED_S:   # until the loop is seen stalled (its sleep lasts 3 s)
+            await asyncio.sleep(0.05)
         assert threads.take() is not thread         # a blocked thread gets no new rollouts
         block_the_loop_here()
         await asyncio.sleep(1.2)
@@ -177,6 +182,46 @@ def test_agent_thread_keeps_the_loop_free_and_watchdog_names_the_blocker(monkeyp
     reports = asyncio.run(main_())
     assert any("driver's event loop" in r and "block_the_loop_here" in r for r in reports), reports
     assert any("agent thread" in r and "blocking_step" in r for r in reports), reports
+
+
+CLIENT = httpx.AsyncClient()   # module level, as LiteLLM keeps its one process-wide client
+
+
+def test_a_module_level_async_client_serves_every_rollout():
+    """Rollouts taken as the loop takes them all share one agent event loop while nothing blocks it,
+    so a library's module-level async client (bound to the loop that first used it) works for all."""
+    from aiohttp import web
+
+    async def hello(request):
+        await asyncio.sleep(0.01)   # requests overlap: the client's pool is shared while they run
+        return web.json_response({"ok": 1})
+
+    async def rollout(url):
+        return [(await CLIENT.get(url)).json() for _ in range(3)]
+
+    async def main_():
+        app = web.Application()
+        app.router.add_get("/", hello)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        await web.SockSite(runner, sock).start()
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/"
+        threads = faults.AgentThreads()
+
+        async def one():
+            thread = threads.take()
+            try:
+                return await asyncio.wait_for(thread.call(rollout, url), 60)
+            finally:
+                threads.give_back(thread)
+        try:
+            return await asyncio.gather(*[one() for _ in range(32)], return_exceptions=True)
+        finally:
+            threads.close()
+            await runner.cleanup()
+    assert asyncio.run(main_()) == [[{"ok": 1}] * 3] * 32
 
 
 def test_agent_thread_calls_run_there_and_bring_back_results_errors_and_cancellation():

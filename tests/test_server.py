@@ -574,9 +574,10 @@ def test_logprob_bytes_are_the_tokens_bytes_and_responses_deltas_carry_logprobs(
     assert [d.logprobs[0].logprob for d in deltas] == rec.calls[1][1]["logprobs"][:len(deltas)]
 
 
-def test_parallel_tool_calls_false_keeps_the_first_call_and_the_rest_as_text(server, loop):
+def test_parallel_tool_calls_false_keeps_the_first_call(server, loop):
     """LlamaIndex sends parallel_tool_calls: false by default. A sampled reply may hold two calls
-    anyway: the first is the call, the second stays text; the history sent back extends the trace."""
+    anyway: the first is the reply's call, the second is not returned (the trace keeps it as sampled);
+    the history sent back extends the trace."""
     tok = smol_tokenizer()
     second = '<tool_call>{"name": "add", "arguments": {"a": 5, "b": 1}}</tool_call>'
     rec = fake(tok, [CALL + second, "It is 5.", CALL + second, CALL + second])
@@ -601,12 +602,143 @@ def test_parallel_tool_calls_false_keeps_the_first_call_and_the_rest_as_text(ser
         return c, r, a, segs
     c, r, a, segs = loop.run_until_complete(go())
     msg = c.choices[0].message
-    assert (c.choices[0].finish_reason, msg.content, len(msg.tool_calls)) == ("tool_calls", second, 1)
+    assert (c.choices[0].finish_reason, msg.content, len(msg.tool_calls)) == ("tool_calls", None, 1)
     assert json.loads(msg.tool_calls[0].function.arguments) == {"a": 2, "b": 3}
-    assert len(segs) == 1   # the reply as returned (one call, the rest text) extends the trace
+    assert len(segs) == 1   # the reply as returned (its one call) extends the trace
     check_token_exact(segs, rec.calls[:2])
-    assert [o.type for o in r.output] == ["message", "function_call"] and r.parallel_tool_calls is False
-    assert [b.type for b in a.content] == ["text", "tool_use"] and a.content[0].text == second
+    assert second in decode_reply(tok, segs[0].tokens)
+    assert [o.type for o in r.output] == ["function_call"] and r.parallel_tool_calls is False
+    assert [b.type for b in a.content] == ["tool_use"]
+
+
+# ----------------------------------------------------------- each model family's tool-call and reasoning format
+
+
+# A Llama-3-like template that knows tools (calls render as `<|python_tag|>{json}`), on SmolLM2's vocabulary.
+LLAMA3 = ("{% if tools %}<|im_start|>system\n{{ tools | tojson }}<|im_end|>\n{% endif %}{% for m in messages %}"
+          "<|im_start|>{{ m['role'] }}\n{% if m.tool_calls %}<|python_tag|>{% for c in m.tool_calls %}"
+          "{{ {'name': c.function.name, 'parameters': c.function.arguments} | tojson }}{% endfor %}"
+          "{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def family_tokenizer(template=None):
+    """SmolLM2's tokenizer with the special tokens of other families' formats, and `template`."""
+    import copy
+    tok = copy.deepcopy(smol_tokenizer())
+    tok.add_special_tokens({"additional_special_tokens": ["<|python_tag|>", "<think>", "</think>"]})
+    tok.chat_template = template or tok.chat_template
+    return tok
+
+
+def parsing_server(loop, tool="hermes", reasoning=None):
+    s = srv.ChatServer(tool_parser=tool, reasoning_parser=reasoning)
+    loop.run_until_complete(s.start())
+    return s
+
+
+@pytest.mark.parametrize("tool, template, sampled", [
+    ("hermes", None, CALL),
+    ("llama3_json", LLAMA3, '<|python_tag|>{"name": "add", "parameters": {"a": 2, "b": 3}}'),
+    ("pythonic", None, "[add(a=2, b=3)]")])
+def test_tool_calls_in_each_familys_format_by_vllms_parser(loop, tool, template, sampled):
+    """--tool_parser picks vLLM's parser: the call comes back as a call (whole and streamed), and the
+    history sent back with its result extends the one token-exact trace; another format stays text."""
+    tok = family_tokenizer(template)
+    other = CALL if tool == "pythonic" else "[add(a=2, b=3)]"
+    rec = fake(tok, [sampled, "It is 5.", sampled, other])
+    server = parsing_server(loop, tool)
+
+    async def go():
+        s = session(server, rec, tok, {"temperature": 0.7, "max_tokens": 64}, 2048)
+        msgs = [{"role": "user", "content": "What is 2 + 3?"}]
+        async with openai.AsyncOpenAI(base_url=s.base_url, api_key="k", max_retries=0) as client:
+            c = await client.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
+            call = c.choices[0].message.tool_calls[0]
+            msgs2 = msgs + [c.choices[0].message.model_dump(exclude_none=True),
+                            {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+            await client.chat.completions.create(model="m", messages=msgs2, tools=TOOLS)
+            segs = server.close_session(s.id)
+            s = session(server, rec, tok, {"temperature": 0.7, "max_tokens": 64}, 2048)
+            client = client.with_options(base_url=s.base_url)
+            chunks = [x async for x in await client.chat.completions.create(model="m", messages=msgs, tools=TOOLS,
+                                                                             stream=True)]
+            text = await client.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
+        server.close_session(s.id)
+        return c, segs, chunks, text
+    c, segs, chunks, text = loop.run_until_complete(go())
+    loop.run_until_complete(server.stop())
+    call = c.choices[0].message.tool_calls[0]
+    assert c.choices[0].finish_reason == "tool_calls" and not c.choices[0].message.content
+    assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 2, "b": 3}
+    assert len(segs) == 1
+    check_token_exact(segs, rec.calls[:2])
+    streamed = [t for x in chunks for t in x.choices[0].delta.tool_calls or []]
+    assert streamed[0].function.name == "add" and json.loads(streamed[1].function.arguments) == {"a": 2, "b": 3}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert (text.choices[0].message.content, text.choices[0].message.tool_calls) == (other, None)
+
+
+THOUGHT = "<think>2 and 3 make 5.</think>"
+
+
+def test_reasoning_by_vllms_parser_on_each_api_whole_and_streamed(loop):
+    """--reasoning_parser: the reasoning comes back apart from the text and the call (Chat Completions
+    `reasoning_content`, an Anthropic thinking block, a Responses reasoning item), streamed as well;
+    the trace keeps the sampled ids (the reply's <think> tokens included) and the history sent back,
+    reasoning and all, extends it."""
+    tok = family_tokenizer()
+    rec = fake(tok, [THOUGHT + CALL, "It is 5."] + [THOUGHT + "It is 5."] * 6)
+    server = parsing_server(loop, "hermes", "deepseek_r1")
+
+    async def go():
+        s = session(server, rec, tok, {"temperature": 0.7, "max_tokens": 64}, 2048)
+        msgs = [{"role": "user", "content": "What is 2 + 3?"}]
+        async with openai.AsyncOpenAI(base_url=s.base_url, api_key="k", max_retries=0) as client:
+            c = await client.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
+            msg = c.choices[0].message
+            msgs2 = msgs + [msg.model_dump(exclude_none=True),
+                            {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "5"}]
+            await client.chat.completions.create(model="m", messages=msgs2, tools=TOOLS)
+            segs = server.close_session(s.id)
+            s = session(server, rec, tok, {"temperature": 0.7, "max_tokens": 64}, 2048)
+            client = client.with_options(base_url=s.base_url)
+            chunks = [x async for x in await client.chat.completions.create(model="m", messages=msgs, stream=True)]
+            r = await client.responses.create(model="m", input="What is 2 + 3?")
+            revents = [e async for e in await client.responses.create(model="m", input="What is 2 + 3?", stream=True)]
+            again = await client.responses.create(model="m", input=[{"role": "user", "content": "What is 2 + 3?"},
+                                                                   *[o.model_dump(exclude_none=True) for o in r.output]]
+                                                  + [{"role": "user", "content": "And 3 + 4?"}])
+        async with anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key="k", max_retries=0) as client:
+            a = await client.messages.create(model="m", max_tokens=64, messages=msgs)
+            async with client.messages.stream(model="m", max_tokens=64, messages=msgs) as stream:
+                streamed = await stream.get_final_message()
+        server.close_session(s.id)
+        return msg, segs, chunks, r, revents, again, a, streamed
+    msg, segs, chunks, r, revents, again, a, streamed = loop.run_until_complete(go())
+    loop.run_until_complete(server.stop())
+    thought = "2 and 3 make 5."
+    assert msg.reasoning_content == thought and not msg.content and msg.tool_calls[0].function.name == "add"
+    assert len(segs) == 1
+    check_token_exact(segs, rec.calls[:2])
+    assert tok.convert_tokens_to_ids("<think>") in segs[0].tokens   # parsing never changes the sampled ids
+    assert "".join(getattr(x.choices[0].delta, "reasoning_content", None) or "" for x in chunks) == thought
+    assert "".join(x.choices[0].delta.content or "" for x in chunks) == "It is 5."
+    assert [o.type for o in r.output] == ["reasoning", "message"] and r.output[0].content[0].text == thought
+    assert r.output_text == "It is 5."
+    assert [e.delta for e in revents if e.type == "response.reasoning_text.delta"] == [thought]
+    assert again.output_text == "It is 5."
+    assert [(b.type, getattr(b, "thinking", None)) for b in a.content] == [("thinking", thought), ("text", None)]
+    assert [b.type for b in streamed.content] == ["thinking", "text"] and streamed.content[0].thinking == thought
+
+
+def test_tool_and_reasoning_parser_flags_are_checked_against_vllm(tiny_model):
+    """An unknown name lists vLLM's; a parser whose special tokens the model's tokenizer lacks is named."""
+    base = ["--model", tiny_model]
+    with pytest.raises(ValueError, match="--tool_parser 'hermes3' is not one of vLLM's: .*llama3_json"):
+        main.validate(vars(main.build_parser().parse_args(base + ["--tool_parser", "hermes3"])))
+    with pytest.raises(ValueError, match="--reasoning_parser deepseek_r1: does not fit the model's tokenizer"):
+        main.validate(vars(main.build_parser().parse_args(base + ["--reasoning_parser", "deepseek_r1"])))
 
 
 # ----------------------------------------------------------- client input never gives a 5xx

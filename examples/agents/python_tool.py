@@ -33,6 +33,7 @@ Needs a real chat model (the tiny default vocabulary has no letters):
 
 import asyncio
 import contextlib
+import json
 import os
 import random
 import re
@@ -40,7 +41,7 @@ import sys
 import tempfile
 
 from agent import Env, Result
-from server import parse_tool_calls
+
 
 TIMEOUT_S = 5.0
 MEMORY_MB = 512
@@ -185,9 +186,12 @@ def extract_code(reply: str) -> str | None:
     fenced = re.findall(r"```(?:python|py)?\s*\n(.*?)```", reply, re.DOTALL)
     if fenced:
         return fenced[-1]
-    _, calls = parse_tool_calls(reply)
-    for call in calls:
-        if call["name"] == "python" and isinstance(call["arguments"], dict):
+    for block in re.findall(r"<tool_call>\s*(.*?)\s*</tool_call>", reply, re.DOTALL):   # the Hermes format
+        try:
+            call = json.loads(block)
+        except ValueError:
+            continue
+        if isinstance(call, dict) and call.get("name") == "python" and isinstance(call.get("arguments"), dict):
             return str(call["arguments"].get("code", ""))
     return None
 
