@@ -439,11 +439,13 @@ def validate(cfg: dict) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(cfg["model"])
     need(bool(tokenizer.chat_template), f"--model {cfg['model']}: the tokenizer has no chat template; agents "
          "render prompts with it (add one to tokenizer_config.json or chat_template.jinja)")
-    import server
-    server.reply_parsers(cfg["tool_parser"], cfg["reasoning_parser"], tokenizer)   # a known name that fits the vocabulary
     import agent as agents
+    agent_cls = agents.load_agent(cfg["agent"])
+    if issubclass(agent_cls, agents.ChatAgent):  # only the server parses replies (vLLM's parsers: a ~10 s import)
+        import server
+        server.reply_parsers(cfg["tool_parser"], cfg["reasoning_parser"], tokenizer)   # known names that fit the vocabulary
     where = cfg["dataset"] or f"the prompts of {Path(cfg['agent']).name}"
-    data.check_prompts_fit(tokenizer, data.first_rows(cfg, agents.load_agent(cfg["agent"])), cfg["max_len"], where,
+    data.check_prompts_fit(tokenizer, data.first_rows(cfg, agent_cls), cfg["max_len"], where,
                            vision.image_tokens(cfg["model"]))
     if not (cfg["resume"] or cfg["eval_only"] or cfg["overwrite"]):  # last: other errors come first
         found = logs.earlier_records(cfg)

@@ -8,6 +8,8 @@ engine's behaviour matters; the fake engine (tests/fakes.py) where a test needs 
 
 import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import aiohttp
@@ -732,9 +734,15 @@ def test_reasoning_by_vllms_parser_on_each_api_whole_and_streamed(loop):
     assert [b.type for b in streamed.content] == ["thinking", "text"] and streamed.content[0].thinking == thought
 
 
-def test_tool_and_reasoning_parser_flags_are_checked_against_vllm(tiny_model):
-    """An unknown name lists vLLM's; a parser whose special tokens the model's tokenizer lacks is named."""
-    base = ["--model", tiny_model]
+def test_tool_and_reasoning_parser_flags_are_checked_against_vllm(tiny_model, tmp_path):
+    """An unknown name lists vLLM's; a parser whose special tokens the model's tokenizer lacks is named.
+    Only a ChatAgent's run parses replies: an Env's driver never imports vLLM (a ~10 s import)."""
+    base = ["--model", tiny_model, "--agent", str(main.ROOT / "examples" / "agents" / "chat_openai.py")]
+    check = ("import sys, main; main.validate(vars(main.build_parser().parse_args(sys.argv[1:]))); "
+             "print('vllm' in sys.modules)")
+    env_run = subprocess.run([sys.executable, "-c", check, "--model", tiny_model, "--reasoning_parser", "deepseek_r1",
+                              "--output_dir", str(tmp_path / "run")], capture_output=True, text=True, cwd=main.ROOT)
+    assert env_run.stdout.splitlines()[-1:] == ["False"], env_run.stderr[-2000:]
     with pytest.raises(ValueError, match="--tool_parser 'hermes3' is not one of vLLM's: .*llama3_json"):
         main.validate(vars(main.build_parser().parse_args(base + ["--tool_parser", "hermes3"])))
     with pytest.raises(ValueError, match="--reasoning_parser deepseek_r1: does not fit the model's tokenizer"):
