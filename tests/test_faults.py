@@ -120,9 +120,9 @@ class WorksOnceThenBreaks(Env):
         n = next(self.calls)
         if n < 4:
             return Result(reward=float(n % 2))
-        if n % 3 == 0:
+        if n % 3 == 1:                 # first (call 4): one loop is shared until something blocks it
             raise ValueError(f"agent bug at call {n}")
-        if n % 3 == 1:
+        if n % 3 == 2:
             time.sleep(600)            # blocking code in an async step
         await asyncio.Event().wait()   # hangs forever
 '''
@@ -358,7 +358,9 @@ def test_signals_and_kill_leave_nothing_behind_and_resume_continues(tiny_model, 
     # 1. SIGTERM to the driver while the engine starts (`timeout 60 python main.py` once left a
     # VLLM::Worker spinning, re-parented to PID 1).
     run = Run(tmp_path, [*common, "--steps", "50"])
-    wait_until(lambda: any("VLLM::" in p for p in tagged(run.tag)), "vLLM process", proc=run.proc)
+    # the engine core is up: spawned, it is VLLM::EngineCore; forked (CPU, one rank), a second ray::Generator
+    wait_until(lambda: sum("VLLM::" in p or "ray::Generator" in p for p in tagged(run.tag)) >= 2, "vLLM engine core",
+               proc=run.proc)
     run.proc.send_signal(signal.SIGTERM)
     assert run.wait(60) == 128 + signal.SIGTERM, run.stderr()[-3000:]
     assert run.stderr().strip().splitlines()[-1].startswith("molt: stopped by SIGTERM during start-up")
