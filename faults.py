@@ -242,16 +242,16 @@ def reaper_main(run_id: str, driver: int):
 # ---------------------------------------------------------------- never hang
 
 
-def _settle(future: asyncio.Future, task: asyncio.Task):
-    """Give `future` (the caller's) the outcome of `task` (run on another loop)."""
+def _settle(future: asyncio.Future, kind: str, value: Any = None):
+    """Give `future` (the caller's) an outcome from another loop: "result", "exception" or "cancelled"."""
     if future.done():
         return
-    if task.cancelled():
+    if kind == "cancelled":
         future.cancel()
-    elif task.exception() is not None:
-        future.set_exception(task.exception())
+    elif kind == "exception":
+        future.set_exception(value)
     else:
-        future.set_result(task.result())
+        future.set_result(value)
 
 
 class Mailbox:
@@ -329,10 +329,24 @@ class AgentThread:
 
     def _start(self, fn: Callable, args: tuple, future: asyncio.Future, back: Mailbox):
         async def run():
-            out = fn(*args)
-            return await out if asyncio.iscoroutine(out) or isinstance(out, asyncio.Future) else out
+            # The outcome is posted as the call ends, not from a done callback: one scheduled after
+            # the next call on this loop would wait behind it if that call blocks the loop.
+            try:
+                out = fn(*args)
+                out = await out if asyncio.iscoroutine(out) or isinstance(out, asyncio.Future) else out
+            except asyncio.CancelledError:
+                back.post(_settle, future, "cancelled")
+                raise
+            except BaseException as e:
+                back.post(_settle, future, "exception", e)
+                if not isinstance(e, Exception):
+                    raise
+            else:
+                back.post(_settle, future, "result", out)
         task = self.tasks[future] = self.loop.create_task(run())
-        task.add_done_callback(lambda _: (self.tasks.pop(future, None), back.post(_settle, future, task)))
+        # cancelled before it started, `run` never ran: say so
+        task.add_done_callback(lambda t: (self.tasks.pop(future, None),
+                                          t.cancelled() and back.post(_settle, future, "cancelled")))
 
     def _cancel(self, future: asyncio.Future):
         task = self.tasks.pop(future, None)

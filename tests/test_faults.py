@@ -224,6 +224,27 @@ def test_a_module_level_async_client_serves_every_rollout():
     assert asyncio.run(main_()) == [[{"ok": 1}] * 3] * 32
 
 
+def test_a_finished_call_is_delivered_while_the_next_call_blocks_the_agent_loop():
+    """Rollouts share one agent loop: a call that has finished reaches its caller even when the
+    call behind it on that loop blocks it (its outcome must not wait for the loop's next turn)."""
+    thread, gate, release = faults.AgentThread("molt-agent-test"), threading.Event(), threading.Event()
+
+    async def main():
+        held = asyncio.ensure_future(thread.call(gate.wait, 10))     # holds the loop while A and B queue
+        a = asyncio.ensure_future(thread.call(lambda: "a"))
+        b = asyncio.ensure_future(thread.call(release.wait, 10))     # blocks the loop until A is delivered
+        await asyncio.sleep(0)                                        # all three posted
+        gate.set()
+        assert await a == "a"
+        release.set()
+        return await held, await b
+
+    try:
+        assert asyncio.run(main()) == (True, True)   # B was released by A's delivery, not by its timeout
+    finally:
+        thread.close()
+
+
 def test_agent_thread_calls_run_there_and_bring_back_results_errors_and_cancellation():
     """Calls cross threads in batches (faults.Mailbox): every caller gets its own result or
     exception, the code runs on the agent thread, and cancelling a caller cancels its task there."""
