@@ -19,7 +19,7 @@ class Checkpoints:
 
     def checkpoint_state(self) -> tuple[dict, dict]:
         """(what DCP saves/loads, the state dicts it views). MoE experts appear one entry per
-        expert (`_split_experts`), views of this rank's rows, so a load fills them in place."""
+        expert (`split_experts`), views of this rank's rows, so a load fills them in place."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
         dicts = {"model": get_state_dict(self.model, self.optimizer)}
         if self.critic is not None:
