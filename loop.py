@@ -195,7 +195,7 @@ async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, to
     held_out = evaluation.eval_rows(cfg, agent_cls) if cfg["eval_every"] and client else []
     version = start["version"]  # policy version now in the engine
     history = []
-    threads = faults.AgentThreads()  # agent code runs off this loop, on one shared agent loop (a new one while it is blocked)
+    threads = faults.AgentThreads()  # agent code runs off this loop, on one shared loop (another while it blocks)
     pool = RolloutPool(cfg, agent_cls, rows, client, tokenizer, server, threads)
     watchdog = faults.Watchdog(asyncio.get_running_loop(), threads).start()
     faults.cancel_on_stop(asyncio.current_task())  # a stop signal cancels the loop: every finally runs

@@ -67,8 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "safetensors folder under $MOLT_CACHE), or 'tiny' to build (once) a random-init "
                    "tiny Qwen3 with a character tokenizer under $MOLT_CACHE")
     g.add_argument("--agent", default=DEFAULT_AGENT, help="Python file defining exactly one Env or ChatAgent subclass")
-    g.add_argument("--tool_parser", default="hermes", help="vLLM's tool-call parser of the policy's format (as its --tool-call-parser: hermes for <tool_call>{json}</tool_call>, llama3_json, mistral, qwen3_xml, ...)")
-    g.add_argument("--reasoning_parser", default=None, help="vLLM's reasoning parser (deepseek_r1, qwen3, ...): ChatAgent replies carry the reasoning apart from the text (default: none)")
+    g.add_argument("--tool_parser", default="hermes", help="vLLM's tool-call parser of the policy's format (as its "
+                   "--tool-call-parser: hermes for <tool_call>{json}</tool_call>, llama3_json, mistral, qwen3_xml, ...)")
+    g.add_argument("--reasoning_parser", default=None, help="vLLM's reasoning parser (deepseek_r1, qwen3, ...): "
+                   "ChatAgent replies carry the reasoning apart from the text (default: none)")
     g.add_argument("--dataset", default=None, help="prompts: a .jsonl/.json/.parquet/.csv file, a HF datasets folder "
                    "(save_to_disk) or reasoning-gym:TASK[:key=value,...] (default: the agent's built-in prompts)")
     g.add_argument("--input_key", default="prompt", help="dataset field holding the prompt (text or chat messages)")

@@ -232,10 +232,13 @@ def test_a_finished_call_is_delivered_while_the_next_call_blocks_the_agent_loop(
     async def main():
         held = asyncio.ensure_future(thread.call(gate.wait, 10))     # holds the loop while A and B queue
         a = asyncio.ensure_future(thread.call(lambda: "a"))
+        error = asyncio.ensure_future(thread.call(lambda: {}["missing"]))
         b = asyncio.ensure_future(thread.call(release.wait, 10))     # blocks the loop until A is delivered
-        await asyncio.sleep(0)                                        # all three posted
+        await asyncio.sleep(0)                                        # all four posted
         gate.set()
         assert await a == "a"
+        with pytest.raises(KeyError):                                 # an error is delivered as promptly
+            await error
         release.set()
         return await held, await b
 
