@@ -57,6 +57,9 @@ class Generator:
         if cpu_slot is not None:  # our cores and threads, counted on our node, before vLLM starts
             os.environ.update(cpu_engine_env(*cpu_slot, tp_size=tp_size))
             self.threads = int(os.environ.get("OMP_NUM_THREADS", 0)) or None
+            if enforce_eager:  # vLLM's sampler compiles a one-line count on the first request: 2.5 s of set-up
+                import torch._dynamo
+                torch._dynamo.config.disable = True
         from transformers import AutoConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM

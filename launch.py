@@ -43,16 +43,20 @@ def start_ray(cfg: dict):
            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
            "VLLM_CONFIGURE_LOGGING": os.environ.get("VLLM_CONFIGURE_LOGGING", "1"),
            faults.TAG: os.environ[faults.TAG]}  # on a cluster, the actors' tag comes only from here
-    local = {}
     if cfg["ray_address"] is None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local cluster
+        # Its processes inherit the driver's environment: a runtime_env would cost each worker ~1 s
+        # (its own worker pool, set up by Ray's runtime-env agent), on set-up's critical path.
+        os.environ.update(env)
         # Each trainer rank and engine reserves one CPU in its placement bundle; a small machine
         # declares that many (they share its cores) so that every layout fits.
-        local["num_cpus"] = max(os.cpu_count() or 1, cfg["train_workers"] + (cfg["num_engines"] or 0))
+        local = {"num_cpus": max(os.cpu_count() or 1, cfg["train_workers"] + (cfg["num_engines"] or 0))}
+    else:
+        local = {"runtime_env": {"env_vars": env}}
     # "local": a new local cluster, never one found in /tmp/ray/ray_current_cluster (a stale file
     # there made ray.init retry a dead GCS for minutes, deaf to Ctrl-C and SIGTERM)
     ray.init(address=cfg["ray_address"] or "local", include_dashboard=False, logging_level=logging.WARNING,
-             runtime_env={"env_vars": env}, log_to_driver=cfg["verbose"], **local)
+             log_to_driver=cfg["verbose"], **local)
     faults.catch_stop_signals()  # ray.init sets a SIGTERM handler of its own (sys.exit): ours again
     return ray
 
