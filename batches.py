@@ -1,7 +1,7 @@
 """Batch layout: trajectories -> [B, T] tensors -> each rank's micro-batches -> model inputs.
 
 `collate` pads token-exact trajectories (never re-tokenized) into tensors aligned to the
-predicted token; `split_balanced` / `split_rows` share rows among ranks by tokens; `plan` is a
+predicted token; `split_rows` shares rows among ranks by tokens; `plan` is a
 rank's micro-batches of one optimizer step (--micro_batch_size or --micro_batch_tokens);
 `layout` is one micro-batch's inputs, padded (CP chunks) or packed (--packing); `scatter` puts
 a micro-batch's outputs back on the [B, T] grid, differentiably. Pure functions of tensors:
@@ -46,12 +46,6 @@ def collate(trajectories: list[dict], pad_id: int, multiple: int = 1) -> dict[st
             routing[i, :len(r)] = r
         batch["routing"] = routing
     return batch
-
-
-def split_balanced(trajectories: list[dict], n: int) -> list[list[dict]]:
-    """Greedy split into n parts of near-equal token count (longest first)."""
-    lengths = torch.tensor([len(t["tokens"]) for t in trajectories])
-    return [[trajectories[i] for i in p.tolist()] for p in split_rows(torch.arange(len(trajectories)), lengths, n)]
 
 
 def split_rows(rows: torch.Tensor, cost: torch.Tensor, n: int) -> list[torch.Tensor]:

@@ -67,11 +67,6 @@ class WeightSender:
             return 0
         return send_weights(self.sync_group, weights, self.cfg["sync_bucket_mb"] << 20, self.device)
 
-    def weight_names(self) -> list[str]:
-        """Names in every weights_blob (for --check_weight_sync: the engine compares them with
-        its own parameters). Every rank must call it."""
-        return sorted(self.sync_state_dict())
-
 
 class WeightReceiver:
     """vLLM worker extension (mixed into the worker class by vLLM).

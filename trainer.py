@@ -268,15 +268,7 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         return batches.scatter(self.critic(**x["inputs"])[:b, :n], x, self.device)  # less any dummy image row
 
     @torch.no_grad()
-    def compute_logprobs(self, trajectories: list[dict]) -> list[list[float]]:
-        """Trainer logprobs of each trajectory's tokens (position t scores token t+1).
-        With several ranks every rank must be called with the same trajectories."""
-        batch = batches.collate(trajectories, self.pad_id, self.dims.cp)
-        old = self._score(batch, ref=False, values=False)["old"]
-        return [row[:len(t["tokens"]) - 1] for row, t in zip(old.tolist(), trajectories)]
-
-    @torch.no_grad()
-    def _score(self, batch: dict, ref: bool = True, values: bool = True) -> dict[str, torch.Tensor]:
+    def _score(self, batch: dict) -> dict[str, torch.Tensor]:
         """Everything computed once per step before any update: old logprobs and entropy
         (policy at the version that sampled), reference logprobs, old values. Each rank
         scores its rows (and CP chunk), then one all-reduce makes them global."""
@@ -290,9 +282,9 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
             lp, ent = self._forward(self.model, x, entropy=True)
             out["old"][i] += lp.cpu() * own
             out["entropy"][i] += ent.cpu() * own
-            if ref and self.ref is not None:
+            if self.ref is not None:
                 out["ref"][i] += self._forward(self.ref, x)[0].cpu() * own
-            if values and self.critic is not None:
+            if self.critic is not None:
                 out["values"][i] += self._values(x).cpu() * own
         summed = self._reduce(torch.stack([out[k] for k in keys]))
         return dict(zip(keys, summed.unbind(0)))

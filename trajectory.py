@@ -47,10 +47,6 @@ class Trajectory:
         else:
             self.versions += [version if sampled else -1] * len(ids)
 
-    @property
-    def num_sampled(self) -> int:
-        return sum(self.mask)
-
 
 Generate = Callable[..., Awaitable[dict]]   # (prompt_ids, sampling[, images]) -> dict (generator.py)
 
