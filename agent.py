@@ -190,7 +190,6 @@ def _no_images(images: Any) -> list:
 
 # ---------------------------------------------------------------- ChatAgent: the user owns the loop
 
-
 @dataclass
 class ChatContext:
     """What `ChatAgent.run` gets: where to send requests, and the dataset row."""

@@ -48,7 +48,6 @@ STALLED_S = 2.0       # a loop that has not ticked (every 0.5 s) for this long g
 
 # ---------------------------------------------------------------- stopping
 
-
 class Stopped(KeyboardInterrupt):
     """SIGINT or SIGTERM reached the driver. A KeyboardInterrupt, so that agent code's
     `except Exception` does not swallow it and asyncio lets it through."""
@@ -97,11 +96,6 @@ def catch_stop_signals() -> dict | None:
     for s in old:
         signal.signal(s, _raise_stopped)
     return old
-
-
-def restore_signals(old: dict | None):
-    for s, handler in (old or {}).items():
-        signal.signal(s, handler)
 
 
 def tagged_pids(value: str, key: str = TAG) -> list[int]:
@@ -214,7 +208,8 @@ def guarded(out: Path, run: Callable[[], Any]) -> Any:
         raise stopped from None
     finally:
         logs.remove_interrupted_checkpoints(out)
-        restore_signals(old_signals)
+        for s, handler in (old_signals or {}).items():
+            signal.signal(s, handler)
 
 
 def reaper_main(run_id: str, driver: int):
@@ -241,17 +236,11 @@ def reaper_main(run_id: str, driver: int):
 
 # ---------------------------------------------------------------- never hang
 
-
-def _settle(future: asyncio.Future, kind: str, value: Any = None):
-    """Give `future` (the caller's) an outcome from another loop: "result", "exception" or "cancelled"."""
-    if future.done():
-        return
-    if kind == "cancelled":
-        future.cancel()
-    elif kind == "exception":
-        future.set_exception(value)
-    else:
-        future.set_result(value)
+def _settle(future: asyncio.Future, how: str, *value):
+    """Give `future` (the caller's) an outcome from another loop, unless it has one: `how` is its
+    method, "set_result", "set_exception" or "cancel"."""
+    if not future.done():
+        getattr(future, how)(*value)
 
 
 class Mailbox:
@@ -335,18 +324,18 @@ class AgentThread:
                 out = fn(*args)
                 out = await out if asyncio.iscoroutine(out) or isinstance(out, asyncio.Future) else out
             except asyncio.CancelledError:
-                back.post(_settle, future, "cancelled")
+                back.post(_settle, future, "cancel")
                 raise
             except BaseException as e:
-                back.post(_settle, future, "exception", e)
+                back.post(_settle, future, "set_exception", e)
                 if not isinstance(e, Exception):
                     raise
             else:
-                back.post(_settle, future, "result", out)
+                back.post(_settle, future, "set_result", out)
         task = self.tasks[future] = self.loop.create_task(run())
         # cancelled before it started, `run` never ran: say so
         task.add_done_callback(lambda t: (self.tasks.pop(future, None),
-                                          t.cancelled() and back.post(_settle, future, "cancelled")))
+                                          t.cancelled() and back.post(_settle, future, "cancel")))
 
     def _cancel(self, future: asyncio.Future):
         task = self.tasks.pop(future, None)

@@ -92,6 +92,7 @@ def _parser_request(tools: list[dict] | None):   # what vLLM's parsers read: the
 # ---------------------------------------------------------------- requests: each API -> one canonical form
 
 TEXT_PARTS = ("text", "input_text", "output_text")   # Chat/Anthropic, Responses input, Responses output
+IMAGE_PARTS = ("image_url", "image", "input_image")
 
 
 def _text(content: Any, where: str) -> str:
@@ -118,9 +119,6 @@ def _image_uri(part: dict, where: str) -> str:
     _need(isinstance(src, dict) and src.get("type") == "base64" and isinstance(src.get("data"), str),
           f"{where}: image blocks need a base64 source; URLs are not fetched")
     return f"data:{src.get('media_type', 'image/png')};base64,{src['data']}"
-
-
-IMAGE_PARTS = ("image_url", "image", "input_image")
 
 
 def _content(content: Any, where: str) -> str | list[dict]:
@@ -179,10 +177,10 @@ def _stops(value: Any, name: str, most: int) -> list[str]:
     return stops
 
 
-def _chat_tools(tools: Any, where: str = "tools") -> list[dict] | None:
+def _chat_tools(tools: Any) -> list[dict] | None:
     _need(tools is None or (isinstance(tools, list) and all(
         isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
-        for t in tools)), f"'{where}' must be a list of {{type: function, function: {{name, ...}}}}")
+        for t in tools)), "'tools' must be a list of {type: function, function: {name, ...}}")
     return tools or None
 
 
@@ -221,8 +219,6 @@ _ONLY = {"openai": {"tool_choice": ("auto",), "parallel_tool_calls": (True, Fals
                        "text": ({"format": {"type": "text"}},), "reasoning": (), "background": (False,),
                        "background_options": (), "context_management": (), "conversation": (), "prompt": (),
                        "max_tool_calls": (), "image": (), "access_programs": ()}}
-
-
 _ACCEPTED = {api: {*_READ[api].split(), *_INERT[api].split(), *RUN_SAMPLING[api]} for api in _READ}
 
 
@@ -385,12 +381,6 @@ def _key(m: dict) -> tuple:
     return m["role"], content, calls
 
 
-def _images_of(messages: list[dict]) -> list[str]:
-    """The images shown in `messages`, in order (canonical image parts)."""
-    return [p["image"] for m in messages if isinstance(m["content"], list)
-            for p in m["content"] if p.get("type") == "image"]
-
-
 def _template_messages(messages: list[dict], native_tools: bool) -> list[dict]:
     """Canonical messages in the form the chat template takes. Without native tool
     support, calls are written as the `<tool_call>` text a model would sample."""
@@ -421,7 +411,6 @@ def _tool_prompt(messages: list[dict], tools: list[dict]) -> list[dict]:
 
 # ---------------------------------------------------------------- the trace behind a session
 
-
 @dataclass
 class Reply:
     """One completion, whichever API asked for it."""
@@ -435,8 +424,12 @@ class Reply:
     pieces: list[str] = field(default_factory=list)   # the text as streamed: one delta per sampled token
     reasoning: str | None = None         # what the reasoning parser took out of the text
 
-    def deltas(self) -> list[str]:
-        return self.pieces or ([self.text] if self.text else [])
+    def deltas(self) -> list[tuple[str, list[dict] | None]]:
+        """The text as streamed, each delta with its logprobs: one per sampled token when the pieces are
+        the tokens, else all on the first delta (None: none asked, or a later delta)."""
+        per_token = self.logprobs is not None and len(self.pieces) == len(self.logprobs)
+        return [(d, self.logprobs[i:i + 1] if per_token else (self.logprobs if i == 0 else None))
+                for i, d in enumerate(self.pieces or ([self.text] if self.text else []))]
 
 
 def _pieces(tokenizer, ids: list[int], text: str) -> list[str]:
@@ -506,7 +499,8 @@ class ChatSession:
         self.error: BaseException | None = None   # a generate failure, re-raised by run_chat_agent
 
     def _uris(self, messages: list[dict]) -> list[str]:
-        images = _images_of(messages)
+        images = [p["image"] for m in messages if isinstance(m["content"], list)   # canonical image parts, in order
+                  for p in m["content"] if p.get("type") == "image"]
         _need(not images or self.image_tokens, "this request shows images but the policy has no vision tower")
         return self.image_tokens.uris(images) if images else []
 
@@ -612,10 +606,8 @@ def openai_response(reply: Reply, model: str, req: Request) -> dict | list[Event
                       "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}]}
     events = [chunk({"role": "assistant", "content": ""})] + ([chunk(think)] if think else [])
     if text:
-        per_token = reply.logprobs is not None and len(reply.pieces) == len(reply.logprobs)
-        for i, piece in enumerate(reply.deltas()):   # one chunk per sampled token, with its logprobs
-            lp = {"content": reply.logprobs[i:i + 1], "refusal": None} if per_token else (logprobs if i == 0 else None)
-            events.append(chunk({"content": piece}, lp=lp))
+        for piece, lp in reply.deltas():   # one chunk per sampled token, with its logprobs
+            events.append(chunk({"content": piece}, lp=None if lp is None else {"content": lp, "refusal": None}))
     for i, c in enumerate(_openai_calls(reply)):   # the name first, then the arguments, as OpenAI streams them
         events.append(chunk({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
                                              "function": {"name": c["function"]["name"], "arguments": ""}}]}))
@@ -644,7 +636,7 @@ def anthropic_response(reply: Reply, model: str, req: Request) -> dict | list[Ev
         "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": 0}}})]
     for i, block in enumerate(content):
         if block["type"] == "text":
-            start, deltas = {"type": "text", "text": ""}, [{"type": "text_delta", "text": t} for t in reply.deltas()]
+            start, deltas = {"type": "text", "text": ""}, [{"type": "text_delta", "text": t} for t, _ in reply.deltas()]
         elif block["type"] == "thinking":
             start, deltas = {**block, "thinking": ""}, [{"type": "thinking_delta", "thinking": reply.reasoning}]
         else:
@@ -686,8 +678,8 @@ def responses_response(reply: Reply, model: str, req: Request, body: dict) -> tu
 
     def event(kind: str, **data):
         events.append((kind, {"type": kind, "sequence_number": len(events), **data}))
-    event("response.created", response={**response, "status": "in_progress", "output": [], "usage": None})
-    event("response.in_progress", response={**response, "status": "in_progress", "output": [], "usage": None})
+    for kind in ("response.created", "response.in_progress"):
+        event(kind, response={**response, "status": "in_progress", "output": [], "usage": None})
     for i, item in enumerate(output):
         at = {"item_id": item["id"], "output_index": i}
         empty = {"content": []} if item["type"] != "function_call" else {"arguments": ""}
@@ -695,10 +687,8 @@ def responses_response(reply: Reply, model: str, req: Request, body: dict) -> tu
         if item["type"] == "message":
             part = item["content"][0]
             event("response.content_part.added", **at, content_index=0, part={**part, "text": "", "logprobs": []})
-            per_token = reply.logprobs is not None and len(reply.pieces) == len(reply.logprobs)
-            for j, piece in enumerate(reply.deltas()):   # one delta per sampled token, with its logprobs
-                lp = reply.logprobs[j:j + 1] if per_token else (part["logprobs"] if j == 0 else [])
-                event("response.output_text.delta", **at, content_index=0, delta=piece, logprobs=lp)
+            for piece, lp in reply.deltas():   # one delta per sampled token, with its logprobs
+                event("response.output_text.delta", **at, content_index=0, delta=piece, logprobs=lp or [])
             event("response.output_text.done", **at, content_index=0, text=part["text"], logprobs=part["logprobs"])
             event("response.content_part.done", **at, content_index=0, part=part)
         elif item["type"] == "reasoning":
