@@ -147,8 +147,7 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
         new_images = image_tokens.uris(result.images) if image_tokens else _no_images(result.images)
         content = with_images([{"role": "user", "content": observation}], new_images)[0]["content"]
         obs_ids = observation_ids(tokenizer, messages, out["token_ids"], content)
-        if new_images:
-            obs_ids = image_tokens.expand(obs_ids, new_images)
+        obs_ids = image_tokens.expand(obs_ids, new_images) if new_images else obs_ids
         if (len(traj.tokens) + len(obs_ids) >= max_len  # whole observations only: never half an image
                 or (max_images is not None and len(traj.images) + len(new_images) > max_images)):
             traj.info["truncated"] = 1.0

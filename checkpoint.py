@@ -31,10 +31,8 @@ class Checkpoints:
         return state, dicts
 
     def save_checkpoint(self, path: str) -> str:
-        """Model, optimizer, critic (+ its optimizer) and version with torch.distributed.checkpoint:
-        every rank writes its own shards (all ranks must call it). The checkpoint does not depend
-        on the layout: DTensors reshard on load, MoE experts are stored one per expert, so it
-        resumes under other --train_workers / --tp_size / --ep_size."""
+        """Model, optimizer, critic (+ its optimizer) and version: every rank writes its own shards
+        (all ranks must call it); the checkpoint resumes under any layout (see the module docstring)."""
         import torch.distributed.checkpoint as dcp
         dcp.save(self.checkpoint_state()[0], checkpoint_id=path)
         return path

@@ -28,16 +28,6 @@ import sys
 from pathlib import Path
 
 
-def _numbers(metrics: dict) -> dict[str, float]:
-    return {k: float(v) for k, v in metrics.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
-
-
-def _flat_config(cfg: dict) -> dict[str, str | int | float | bool]:
-    """Flags as scalars: lists and None become text (what hparams/params accept)."""
-    return {k: v if isinstance(v, (int, float, bool, str)) else json.dumps(v, default=str) for k, v in cfg.items()}
-
-
 class Sinks:
     """metrics.jsonl plus each backend of `cfg["logger"]`, opened at once, closed at once
     (main.validate has checked that each backend's package is installed)."""
@@ -49,7 +39,8 @@ class Sinks:
         self.tb = self.wandb = self.mlflow = None
         backends = cfg.get("logger") or []
         name = cfg.get("run_name") or self.out.resolve().name
-        flat = _flat_config(cfg)
+        # the flags as scalars: lists and None become text (what hparams/params accept)
+        flat = {k: v if isinstance(v, (int, float, bool, str)) else json.dumps(v, default=str) for k, v in cfg.items()}
         if "tensorboard" in backends:
             from torch.utils.tensorboard import SummaryWriter
             from torch.utils.tensorboard.summary import hparams
@@ -79,7 +70,8 @@ class Sinks:
         self.jsonl.write(json.dumps(metrics) + "\n")
         self.jsonl.flush()
         step = int(metrics.get("step", 0))
-        nums = _numbers(metrics)
+        nums = {k: float(v) for k, v in metrics.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
         if self.tb is not None:
             for k, v in nums.items():
                 self.tb.add_scalar(k, v, step)

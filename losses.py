@@ -122,14 +122,12 @@ def policy_loss(kind: str, logprobs: Tensor, old_logprobs: Tensor, advantages: T
     tok_ratio = torch.exp(tok_lr)  # [B, T] detached per-token ratio
     lo, hi = (0.0 if eps_low is None else 1.0 - eps_low), 1.0 + eps_high
     loss, ratio, clipped = spec.fn(log_ratio, logprobs, A, m, lo, hi, dual_clip)
-    loss = torch.where(m, loss, 0)
-    metrics = {
+    return torch.where(m, loss, 0), {
         "clip_frac": _mean(clipped.float(), m),
         "ratio_mean": _mean(ratio, m),
         # k3 estimate of KL(old || new) from samples of old: (r - 1) - log r, per token.
         "approx_kl": _mean(tok_ratio - 1 - tok_lr, m),
     }
-    return loss, metrics
 
 
 def aggregate(per_token_loss: Tensor, mask: Tensor, mode: str = "token_mean",
@@ -160,10 +158,9 @@ def is_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, *,
     the README's IS table (off: weights = mask). ratio = exp(old_logprobs - rollout_logprobs), trainer
     over sampler. is_filtered_frac: the share of action tokens whose weight is not their ratio
     (zeroed by the gate, or bounded)."""
-    if level not in IS_LEVELS:
-        raise ValueError(f"unknown IS level {level!r}; choices: {IS_LEVELS}")
-    if mode not in IS_MODES:
-        raise ValueError(f"unknown IS mode {mode!r}; choices: {IS_MODES}")
+    for name, value, choices in (("level", level, IS_LEVELS), ("mode", mode, IS_MODES)):
+        if value not in choices:
+            raise ValueError(f"unknown IS {name} {value!r}; choices: {choices}")
     if level in ("seq", "geo") and mode not in ("mask", "reject"):
         raise ValueError(f"IS level {level!r} gates whole sequences and needs mode 'mask' or 'reject', got {mode!r}")
     if not (0.0 <= low <= high and high > 0.0):
@@ -193,14 +190,13 @@ def is_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, *,
         else:
             w, filtered = accept.float(), ~accept
     w = torch.where(m, w, 0)
-    metrics = {
+    return w, {
         "is_filtered_frac": _mean(filtered.float(), m),
         # k3 estimate of KL(rollout || trainer) with samples from the rollout policy.
         "mismatch_k3": _mean(ratio - 1 - log_r, m),
         "mismatch_abs": _mean(log_r.abs(), m),
         "is_weight_mean": _mean(w, m),
     }
-    return w, metrics
 
 
 def kl(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:

@@ -274,9 +274,8 @@ def validate(cfg: dict) -> dict:
     need(not est.group or cfg["samples_per_prompt"] > 1,
          f"--estimator {cfg['estimator']} compares rollouts of the same prompt and needs --samples_per_prompt >= 2")
     cfg["loss_agg"] = cfg["loss_agg"] or loss.loss_agg
-    need(cfg["loss_agg"] in losses.LOSS_AGGS, f"--loss_agg {cfg['loss_agg']!r} is unknown; choose from {', '.join(losses.LOSS_AGGS)}")
-    need(cfg["kl_estimator"] in (None, *losses.KL_ESTIMATORS),
-         f"--kl_estimator {cfg['kl_estimator']!r} is unknown; choose from {', '.join(losses.KL_ESTIMATORS)}")
+    for k, choices in (("loss_agg", losses.LOSS_AGGS), ("kl_estimator", losses.KL_ESTIMATORS)):
+        need(cfg[k] in (None, *choices), f"--{k} {cfg[k]!r} is unknown; choose from {', '.join(choices)}")
     need(cfg["kl_coef"] >= 0, "--kl_coef must be >= 0")
     need(not (cfg["kl_loss"] and cfg["kl_in_reward"]), "choose one of --kl_loss and --kl_in_reward, not both")
     if est.teacher:

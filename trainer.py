@@ -27,6 +27,7 @@ import json
 import math
 import shutil
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -78,12 +79,6 @@ def build_tiny_model(path: str, seed: int = 0) -> str:
     return str(out)
 
 
-def needs_reference(cfg: dict) -> bool:
-    """A frozen reference model is loaded only when something uses it."""
-    return (estimators.ESTIMATORS[cfg["estimator"]].teacher
-            or (cfg["kl_coef"] > 0 and (cfg["kl_loss"] or cfg["kl_in_reward"])))
-
-
 def load_model(path: str) -> torch.nn.Module:
     """A transformers causal LM, or a vision-language model (its config has a vision_config)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
@@ -102,8 +97,7 @@ def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
     """Dropout off in this in-memory model (an export keeps the checkpoint's config). The
     trainer scores in eval() and trains in train(), and the engine never drops: with dropout
     the first ratio would not be 1 and trainer and engine would disagree on every token."""
-    configs = [m.config for m in model.modules() if hasattr(m, "config")]
-    for c in {id(c): c for c in configs}.values():
+    for c in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
         for sub in (c, *(getattr(c, k) for k in ("text_config", "vision_config") if hasattr(c, k))):
             for k in dropout_fields(sub):
                 setattr(sub, k, 0.0)
@@ -161,8 +155,7 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
             threads = parallel.cpu_threads(parallel.node_cores(), *node, train_threads=threads)[0]
         if threads:
             torch.set_num_threads(threads)
-        self.device = parallel.init_distributed(rank, world_size, master_addr,
-                                                master_port or parallel.free_port())
+        self.device = parallel.init_distributed(rank, world_size, master_addr, master_port or parallel.free_port())
         self.dims = parallel.ParallelDims(world_size=world_size, tp=cfg.get("tp_size", 1),
                                           cp=cfg.get("cp_size", 1), ep=cfg.get("ep_size", 1))
         config = AutoConfig.from_pretrained(cfg["model"])
@@ -194,17 +187,17 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         # Frozen weights never change: the engine keeps its own copy (weight sync skips them).
         self.frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
         self.model = self._shard(model, routing_hooks=True)
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad],
-                                           lr=cfg["lr"], betas=(0.9, 0.99),
-                                           weight_decay=cfg["weight_decay"], eps=1e-8)
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg["lr"],
+                                           betas=(0.9, 0.99), weight_decay=cfg["weight_decay"], eps=1e-8)
+        self.estimator = estimators.ESTIMATORS[cfg["estimator"]]
         self.ref = None
-        if needs_reference(cfg):
+        if self.estimator.teacher or (cfg["kl_coef"] > 0 and (cfg["kl_loss"] or cfg["kl_in_reward"])):
             # No routing hooks: the KL/distillation target is the reference's own distribution, with
             # its own expert choices, never the policy's sampled routing (--routing_replay).
             self.ref = self._shard(load_model(cfg["ref_model"] or cfg["model"]))
             self.ref.requires_grad_(False).eval()
         self.critic = self.critic_optimizer = None
-        if estimators.ESTIMATORS[cfg["estimator"]].critic:
+        if self.estimator.critic:
             self.critic = self._shard(without_dropout(ValueModel(cfg["critic_model"] or cfg["model"])))
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=cfg["critic_lr"] or cfg["lr"],
                                                       betas=(0.9, 0.99), weight_decay=cfg["weight_decay"])
@@ -216,9 +209,9 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
                                     activation_checkpointing=self.cfg.get("activation_checkpointing", False),
                                     offload=self.cfg.get("offload") == "optimizer", routing_hooks=routing_hooks)
 
-    def _reduce(self, x: torch.Tensor, group: str = "dp_cp") -> torch.Tensor:
-        """SUM over a mesh dim (no-op when it has one rank)."""
-        g = self.dims.group(group)
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """SUM over the data and context ranks (no-op when there is one)."""
+        g = self.dims.group("dp_cp")
         if g is not None:
             x = x.to(self.device)
             torch.distributed.all_reduce(x, group=g)
@@ -310,11 +303,11 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
                                                 low=cfg["is_band"][0], high=cfg["is_band"][1])
         # KL enters the advantage for --kl_in_reward, and is the whole signal for distillation.
         kl, kl_coef = None, 0.0
-        if estimators.ESTIMATORS[cfg["estimator"]].teacher:
+        if self.estimator.teacher:
             kl, kl_coef = old - ref, cfg["kl_coef"]             # reverse-KL log-ratio to the teacher
         elif cfg["kl_in_reward"]:
             kl, kl_coef = losses.kl(old, ref, cfg["kl_estimator"]), cfg["kl_coef"]
-        advantages, returns = estimators.ESTIMATORS[cfg["estimator"]](
+        advantages, returns = self.estimator(
             rewards, mask, batch["groups"], rollout_ids=batch["rollout_ids"], kl=kl, kl_coef=kl_coef,
             values=old_values if self.critic is not None else None, gamma=cfg["gamma"], lam=cfg["lam"])
 
@@ -323,9 +316,7 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         # its whole optimizer step, and FSDP sums the gradients over data ranks.
         self.model.train()
         shuffle = torch.Generator().manual_seed(cfg["seed"] * 100_003 + self.version)
-        totals: dict[str, float] = {}
-        norms: dict[str, float] = {}
-        updates = 0
+        totals, norms, updates = defaultdict(float), defaultdict(float), 0
         for _ in range(cfg["ppo_epochs"]):
             order = torch.randperm(B, generator=shuffle) if cfg["mini_batches"] > 1 else torch.arange(B)
             for rows in order.tensor_split(cfg["mini_batches"]):  # exactly --mini_batches parts (chunk may give fewer)
@@ -337,11 +328,10 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
                         parts.update(self._critic_loss(batch, x, old_values, returns, step_tokens))
                     sum(v for k, v in parts.items() if k.endswith("loss")).backward()
                     for k, v in parts.items():
-                        totals[k] = totals.get(k, 0.0) + float(v.detach() if torch.is_tensor(v) else v)
-                norms["grad_norm"] = norms.get("grad_norm", 0.0) + self._step(self.model, self.optimizer)
+                        totals[k] += float(v.detach() if torch.is_tensor(v) else v)
+                norms["grad_norm"] += self._step(self.model, self.optimizer)
                 if self.critic is not None:
-                    norms["critic_grad_norm"] = (norms.get("critic_grad_norm", 0.0)
-                                                 + self._step(self.critic, self.critic_optimizer))
+                    norms["critic_grad_norm"] += self._step(self.critic, self.critic_optimizer)
                 updates += 1
         self.version += 1
         keys = sorted(totals)  # the same keys on every rank
@@ -506,8 +496,7 @@ class TrainerGroup:
     async def train_step(self, trajectories: list[dict]) -> dict:
         import ray
         ref = ray.put(trajectories)
-        results = await asyncio.gather(*[w.train_step.remote(ref) for w in self.workers])
-        return results[0]
+        return (await asyncio.gather(*[w.train_step.remote(ref) for w in self.workers]))[0]
 
     def weights_blob(self):
         """A Ray ref to rank 0's blob (every rank joins the gather)."""
@@ -525,10 +514,8 @@ def shared_markers(cfg: dict) -> list[str]:
     if not (cfg.get("save_every") or cfg.get("resume") or cfg.get("export_hf")):
         return []
     out = Path(cfg["output_dir"]).resolve()
-    folders = [out]
     export = Path(cfg["export_hf"]).resolve().parent if cfg.get("export_hf") else out
-    if export != out and not export.is_relative_to(out):
-        folders.append(export)
+    folders = [out] + ([export] if export != out and not export.is_relative_to(out) else [])
     markers = []
     for folder in folders:
         folder.mkdir(parents=True, exist_ok=True)
