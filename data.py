@@ -23,6 +23,7 @@ any `.gguf` file into a normal safetensors folder, once, under the cache dir (`c
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
 import importlib.util
@@ -89,10 +90,8 @@ def make_row(raw: Any, where: str, input_key: str, label_key: str, image_key: st
     if hasattr(prompt, "tolist"):          # numpy arrays from Parquet / datasets
         prompt = prompt.tolist()
     if isinstance(prompt, str) and prompt.lstrip().startswith("[{"):
-        try:                                # chat messages written as JSON text (CSV cells)
+        with contextlib.suppress(json.JSONDecodeError):   # chat messages written as JSON text (CSV cells)
             prompt = json.loads(prompt)
-        except json.JSONDecodeError:
-            pass
     if isinstance(prompt, list):
         if not prompt:
             raise ValueError(f"{where}: field {input_key!r} is an empty list of messages")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import secrets
@@ -119,13 +120,11 @@ def _still_running(known: dict[int, float] | None) -> list[int]:
     import psutil
     alive = []
     for pid, created in list((known or {}).items()):
-        try:
+        with contextlib.suppress(psutil.Error):
             p = psutil.Process(pid)
             if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
                 alive.append(pid)
                 known.update({c.pid: c.create_time() for c in p.children(recursive=True)})
-        except psutil.Error:
-            pass
     return alive
 
 
@@ -142,10 +141,8 @@ def reap(run_id: str, exclude: set[int], grace_s: float = 3.0, limit_s: float = 
             break
         late = time.monotonic() - start > grace_s
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL if late or pid in signalled else signal.SIGTERM)
-            except ProcessLookupError:
-                pass
         signalled.update(pids)
         time.sleep(0.2 if late else 0.5)
     return sorted(signalled)
@@ -222,10 +219,8 @@ def reaper_main(run_id: str, driver: int):
     known: dict[int, float] = {}
     died = True
     while os.getppid() == driver:
-        try:
+        with contextlib.suppress(psutil.Error):
             known.update({p.pid: p.create_time() for p in psutil.Process(driver).children(recursive=True)})
-        except psutil.Error:
-            pass
         ready, _, _ = select.select([sys.stdin], [], [], 1.0)
         if ready:
             # a clean end: the driver reaped its own run (its other children are not ours)

@@ -19,6 +19,7 @@ field gets (honoured; ignored, named in `x-molt-ignored`; a 400, never a 5xx): d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -177,13 +178,6 @@ def _stops(value: Any, name: str, most: int) -> list[str]:
     return stops
 
 
-def _chat_tools(tools: Any) -> list[dict] | None:
-    _need(tools is None or (isinstance(tools, list) and all(
-        isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
-        for t in tools)), "'tools' must be a list of {type: function, function: {name, ...}}")
-    return tools or None
-
-
 def _no_n(body: dict):
     _need(body.get("n") in (1, None), "n > 1 is not supported: send one request per sample "
                                        "(each request samples anew, and each sample is its own rollout segment)")
@@ -262,8 +256,12 @@ def openai_request(body: dict) -> Request:
     _need(top is None or logprobs, "top_logprobs needs logprobs: true")
     options = body.get("stream_options")
     _need(options is None or isinstance(options, dict), "stream_options must be an object")
+    tools = body.get("tools")
+    _need(tools is None or (isinstance(tools, list) and all(
+        isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+        for t in tools)), "'tools' must be a list of {type: function, function: {name, ...}}")
     newer = body.get("max_completion_tokens")   # the newer name wins; either may be null
-    return Request(messages, _chat_tools(body.get("tools")),
+    return Request(messages, tools or None,
                    _limit(body.get("max_tokens") if newer is None else newer, "max_tokens"),
                    _stops(body.get("stop"), "stop", 4), bool(body.get("stream")),
                    (top or 0) if logprobs else None, bool((options or {}).get("include_usage")),
@@ -516,13 +514,11 @@ class ChatSession:
         if self.segments and tools == self.tools and held:
             n = held[0]
             new = _template_messages(messages[n:], self.native_tools)
-            try:
+            with contextlib.suppress(PrefixRewrite):   # the template re-renders history: a new segment, below
                 delta = delta_ids(self.tokenizer, self.rendered, self.reply_ids, new, native)
                 images = self._uris(new)
                 delta = self.image_tokens.expand(delta, images) if images else delta
                 return self.segments[-1].tokens + delta, delta, self.rendered + new, images
-            except PrefixRewrite:
-                pass  # the template re-renders history: a new segment, below
         rendered = _template_messages(messages, self.native_tools)
         if tools and not self.native_tools:
             rendered = _tool_prompt(rendered, tools)

@@ -28,6 +28,7 @@ import base64
 import functools
 import io
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Union
@@ -179,11 +180,7 @@ def load_image(spec: ImageSpec) -> Image.Image:
         if not header.startswith("data:image/") or not header.endswith(";base64"):
             raise ValueError(f"only base64 image data URIs are supported, got {header[:40]!r}")
         return Image.open(io.BytesIO(base64.b64decode(payload))).convert("RGB")
-    try:
-        is_file = Path(spec).is_file()
-    except OSError:  # raw base64 longer than a file name may be
-        is_file = False
-    if is_file:
+    if os.path.isfile(spec):  # False (no OSError) for raw base64 longer than a file name may be
         return Image.open(spec).convert("RGB")
     try:
         raw = base64.b64decode(spec, validate=True)
