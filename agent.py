@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator
 
 import vision
-from trajectory import (Generate, Trajectory, decode_reply, encode, observation_ids, prompt_messages, render,
-                        sample, with_images)
+from trajectory import (Generate, Trajectory, decode_reply, delta_ids, encode, prompt_messages, render, sample,
+                        with_images)
 
 if TYPE_CHECKING:
     from server import ChatServer
@@ -133,8 +133,7 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
         messages.append({"role": "assistant", "content": action})
         result = await call(env.step, State(prompt=row["prompt"], label=row.get("label"), action=action,
                                             observation=observation, messages=messages, turn=turn,
-                                            sampling_params=params, row=row,
-                                            finish_reason=out["finish_reason"]))
+                                            sampling_params=params, row=row, finish_reason=out["finish_reason"]))
         reward = float(result.reward)
         if not math.isfinite(reward):
             raise ValueError(f"agent returned a non-finite reward {result.reward!r}")
@@ -146,7 +145,7 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
         observation = result.observation or ""
         new_images = image_tokens.uris(result.images) if image_tokens else _no_images(result.images)
         content = with_images([{"role": "user", "content": observation}], new_images)[0]["content"]
-        obs_ids = observation_ids(tokenizer, messages, out["token_ids"], content)
+        obs_ids = delta_ids(tokenizer, messages, out["token_ids"], [{"role": "user", "content": content}])
         obs_ids = image_tokens.expand(obs_ids, new_images) if new_images else obs_ids
         if (len(traj.tokens) + len(obs_ids) >= max_len  # whole observations only: never half an image
                 or (max_images is not None and len(traj.images) + len(new_images) > max_images)):
@@ -226,8 +225,7 @@ async def run_chat_agent(agent: ChatAgent, row: dict, generate: Generate, tokeni
                 if isinstance(m["content"], list) else m for m in messages]
     ctx = ChatContext(base_url=session.base_url, anthropic_base_url=session.anthropic_base_url,
                       api_key=server.api_key, model_name=server.model_name, prompt=row["prompt"],
-                      messages=messages, label=row.get("label"), row=row,
-                      sampling_params=dict(sampling))
+                      messages=messages, label=row.get("label"), row=row, sampling_params=dict(sampling))
     try:
         result = await (call or _call_here)(agent.run, ctx)
     except Exception:
@@ -263,11 +261,11 @@ async def run_agent(cfg: dict, agent_cls: type, row: dict, generate, tokenizer, 
     images = vision.image_tokens(cfg["model"])  # None for a text model
     if issubclass(agent_cls, ChatAgent):
         run = run_chat_agent(agent_cls(), row, generate, tokenizer, server, sampling=sampling,
-                                    max_len=cfg["max_len"], image_tokens=images, call=call)
+                             max_len=cfg["max_len"], image_tokens=images, call=call)
     else:
         run = run_env(agent_cls(), row, generate, tokenizer, sampling=sampling, max_len=cfg["max_len"],
-                             max_turns=cfg["max_turns"], image_tokens=images,
-                             max_images=cfg["max_images_per_prompt"], call=call)
+                      max_turns=cfg["max_turns"], image_tokens=images, max_images=cfg["max_images_per_prompt"],
+                      call=call)
     result = await asyncio.wait_for(run, timeout=cfg["agent_timeout"])
     return result if isinstance(result, list) else [result]
 
@@ -281,8 +279,7 @@ def load_agent(path: str) -> type:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     found = [obj for obj in vars(module).values()
-             if inspect.isclass(obj) and issubclass(obj, (Env, ChatAgent))
-             and obj.__module__ == module.__name__]
+             if inspect.isclass(obj) and issubclass(obj, (Env, ChatAgent)) and obj.__module__ == module.__name__]
     if len(found) != 1:
         names = ", ".join(c.__name__ for c in found) or "none"
         raise ValueError(f"--agent {path}: expected exactly one Env subclass (or one ChatAgent "

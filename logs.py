@@ -101,14 +101,6 @@ PANELS = [  # (title, metric names tried in order: the first present is drawn)
 ]
 
 
-def read_metrics(run: str | Path) -> list[dict]:
-    path = Path(run)
-    path = path / "metrics.jsonl" if path.is_dir() else path
-    if not path.is_file():
-        raise ValueError(f"{run}: no metrics.jsonl")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def plot(runs: list[str | Path], out: str | Path) -> str:
     """One PNG: a 2x2 grid of reward, response length, KL/mismatch and step time over steps,
     every run overlaid (labelled by its folder name)."""
@@ -118,7 +110,10 @@ def plot(runs: list[str | Path], out: str | Path) -> str:
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), squeeze=False)
     for run in runs:
-        rows = read_metrics(run)
+        path = Path(run) / "metrics.jsonl" if Path(run).is_dir() else Path(run)
+        if not path.is_file():
+            raise ValueError(f"{run}: no metrics.jsonl")
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         label = Path(run).resolve().name if Path(run).is_dir() else Path(run).resolve().parent.name
         for ax, (title, keys) in zip(axes.flat, PANELS):
             key = next((k for k in keys if any(k in r for r in rows)), None)
