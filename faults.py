@@ -153,7 +153,6 @@ class RunGuard:
 
     def __init__(self):
         self.run_id = f"{os.getpid()}-{secrets.token_hex(4)}"
-        self.reaper: subprocess.Popen | None = None
 
     def __enter__(self) -> "RunGuard":
         self.previous = os.environ.get(TAG)
@@ -165,13 +164,12 @@ class RunGuard:
 
     def __exit__(self, *exc):
         reap(self.run_id, exclude={os.getpid()})
-        if self.reaper is not None:
-            self.reaper.stdin.write(b"x")  # a clean end; a killed driver's pipe just closes
-            self.reaper.stdin.close()
-            try:
-                self.reaper.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.reaper.kill()
+        self.reaper.stdin.write(b"x")  # a clean end; a killed driver's pipe just closes
+        self.reaper.stdin.close()
+        try:
+            self.reaper.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.reaper.kill()
         if self.previous is None:
             os.environ.pop(TAG, None)
         else:
@@ -263,10 +261,7 @@ _mailboxes: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox]" = we
 
 
 def mailbox(loop: asyncio.AbstractEventLoop) -> Mailbox:
-    box = _mailboxes.get(loop)
-    if box is None:
-        box = _mailboxes[loop] = Mailbox(loop)
-    return box
+    return _mailboxes.setdefault(loop, Mailbox(loop))
 
 
 class AgentThread:
