@@ -14,10 +14,9 @@ from __future__ import annotations
 import torch
 
 def collate(trajectories: list[dict], pad_id: int, multiple: int = 1) -> dict[str, torch.Tensor]:
-    """Right-pad trajectories; every [B, T] tensor is aligned to *predicted*
-    tokens: position t holds token t+1 and what is known about it. T is rounded
-    up to a multiple of `multiple` (the CP degree). An optional "routing" field
-    ([len(tokens)][layers][k] expert ids recorded at sampling) becomes
+    """Right-pad trajectories; every [B, T] tensor is aligned to *predicted* tokens: position t holds
+    token t+1 and what is known about it. T is rounded up to a multiple of `multiple` (the CP degree).
+    An optional "routing" field ([len(tokens)][layers][k] expert ids recorded at sampling) becomes
     "routing" [B, T, layers, k], aligned to the input positions."""
     T = -(-(max(len(t["tokens"]) for t in trajectories) - 1) // multiple) * multiple + 1
 

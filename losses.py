@@ -134,11 +134,9 @@ def aggregate(per_token_loss: Tensor, mask: Tensor, mode: str = "token_mean",
               num_tokens: Count = None, num_seqs: Count = None) -> Tensor:
     """Reduce a [B, T] per-token loss to a scalar. See LOSS_AGGS.
 
-    Pass num_tokens / num_seqs = action-token / row count of the WHOLE optimizer step
-    (all micro-batches, all data-parallel ranks): then summing the gradients over
-    micro-batches and ranks (all_reduce SUM, not mean) gives the same step however
-    the batch is split. Defaults are this batch's counts.
-    """
+    Pass num_tokens / num_seqs = action-token / row count of the WHOLE optimizer step (all micro-batches,
+    all data-parallel ranks): then summing the gradients over micro-batches and ranks (all_reduce SUM,
+    not mean) gives the same step however the batch is split. Defaults are this batch's counts."""
     m = mask.bool()
     loss = torch.where(m, per_token_loss, 0)  # [B, T]
     if mode == "token_mean":
@@ -203,8 +201,7 @@ def kl(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
     """Per-token estimate of KL(pi || ref) from samples of pi. [B, T], not masked.
 
     k1 = logp - ref (unbiased, can be negative), k2 = 0.5 (logp - ref)^2,
-    k3 = exp(ref - logp) - (ref - logp) - 1 (unbiased, >= 0).
-    """
+    k3 = exp(ref - logp) - (ref - logp) - 1 (unbiased, >= 0)."""
     d = logprobs.float() - ref_logprobs.float()  # [B, T]
     if estimator == "k1":
         return d
@@ -238,8 +235,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
 def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
     """log_softmax(logits / temperature) at `tokens`, in float32: [B, T] from [B, T, V] logits.
 
-    Matches vLLM's processed logprobs. Uses gather - logsumexp so no full log_softmax is kept.
-    """
+    Matches vLLM's processed logprobs. Uses gather - logsumexp so no full log_softmax is kept."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     z = logits.float()

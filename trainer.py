@@ -50,8 +50,8 @@ TINY_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|
 def build_tiny_model(path: str, seed: int = 0) -> str:
     """Build (once) a ~130k-parameter Qwen3 with a character tokenizer at `path`.
 
-    The vocabulary is tiny on purpose: a random policy must hit the right
-    answer now and then for RL alone to get started."""
+    The vocabulary is tiny on purpose: a random policy must hit the right answer now and then for RL
+    alone to get started."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
@@ -130,16 +130,15 @@ class ValueModel(torch.nn.Module):
 class Trainer(sync.WeightSender, checkpoint.Checkpoints):
     """One trainer rank. `cfg` is the dict of main.py's flags.
 
-    Models: the policy (trained), a frozen reference (only when a KL term or
-    on-policy distillation needs one; `--ref_model` or the initial policy) and
-    a critic (only for gae). All are parallelized the same way (parallel.py).
+    Models: the policy (trained), a frozen reference (only when a KL term or on-policy distillation
+    needs one; `--ref_model` or the initial policy) and a critic (only for gae). All are parallelized
+    the same way (parallel.py).
 
-    Every rank receives the WHOLE batch: it collates it, scores (old/ref logprobs,
-    values) only its own rows and all-reduces the scores, so advantages, the
-    step's token counts and the metrics are global and identical on every rank;
-    then it trains on its own share of each mini-batch (rows split by tokens
-    across data ranks, the same number of micro-batches on every rank, empty
-    ones padded with a zero-weight row so collectives never deadlock)."""
+    Every rank receives the WHOLE batch: it collates it, scores (old/ref logprobs, values) only its own
+    rows and all-reduces the scores, so advantages, the step's token counts and the metrics are global
+    and identical on every rank; then it trains on its own share of each mini-batch (rows split by
+    tokens across data ranks, the same number of micro-batches on every rank, empty ones padded with a
+    zero-weight row so collectives never deadlock)."""
 
     def __init__(self, cfg: dict, rank: int = 0, world_size: int = 1,
                  master_addr: str = "127.0.0.1", master_port: int = 0,
@@ -450,10 +449,9 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
 
 
 class TrainerGroup:
-    """The trainer ranks as Ray actors forming one process group; the loop talks
-    to the group, and every collective (the step, the full state dict) runs on
-    all ranks. Every rank gets the whole batch (one object-store copy) and trains
-    on its token-balanced share of it (see Trainer).
+    """The trainer ranks as Ray actors forming one process group; the loop talks to the group, and every
+    collective (the step, the full state dict) runs on all ranks. Every rank gets the whole batch (one
+    object-store copy) and trains on its token-balanced share of it (see Trainer).
 
     Placement: one Ray bundle per rank (one CPU, one GPU where the cluster has GPUs, plus
     --trainer_resources), apart from the engines' bundles. The ranks of a TP x CP group talk in
