@@ -216,8 +216,7 @@ async def run_chat_agent(agent: ChatAgent, row: dict, generate: Generate, tokeni
     """Run one `agent.run` on `row` through a fresh session of `server` (started, in this
     event loop). Returns the rollout's segments, each carrying its reward, score and info.
     A row's images appear in `ctx.messages` as OpenAI `image_url` parts with data URIs."""
-    session = server.open_session(generate, tokenizer, sampling=sampling, max_len=max_len,
-                                  image_tokens=image_tokens)
+    session = server.open_session(generate, tokenizer, sampling=sampling, max_len=max_len, image_tokens=image_tokens)
     images = image_tokens.uris(row.get("images")) if image_tokens else _no_images(row.get("images"))
     messages, shown = with_images(prompt_messages(row["prompt"]), images), iter(images)
     messages = [{**m, "content": [{"type": "image_url", "image_url": {"url": next(shown)}}

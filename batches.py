@@ -100,8 +100,7 @@ def layout(batch: dict, idx: torch.Tensor, packing: bool, cp: int, cp_rank: int,
         rows_g = idx[r]
         seg_same = r[:, None] == r[None, :]
         attn = (seg_same & torch.ones(len(r), len(r), dtype=torch.bool).tril())[None, None]  # [1, 1, N, N]
-        inp = {"input_ids": batch["input_ids"][rows_g, pos][None], "position_ids": pos[None],
-               "attention_mask": attn}
+        inp = {"input_ids": batch["input_ids"][rows_g, pos][None], "position_ids": pos[None], "attention_mask": attn}
         tgt = batch["targets"][rows_g, pos][None]                              # [1, N]
         rep = routing[rows_g, pos] if routing is not None else None            # [N, layers, k]
 

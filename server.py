@@ -643,8 +643,7 @@ def anthropic_response(reply: Reply, model: str, req: Request) -> dict | list[Ev
                    ("content_block_stop", {"type": "content_block_stop", "index": i})]
     end = {"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": sequence},
            "usage": {"output_tokens": reply.completion_tokens}}
-    return events + [("message_delta", end),
-                     ("message_stop", {"type": "message_stop"})]
+    return events + [("message_delta", end), ("message_stop", {"type": "message_stop"})]
 
 
 def responses_response(reply: Reply, model: str, req: Request, body: dict) -> tuple[str, dict | list[Event]]:
@@ -698,13 +697,14 @@ def responses_response(reply: Reply, model: str, req: Request, body: dict) -> tu
     return response["id"], events
 
 
-def error_body(api: str, status: int, message: str) -> dict:
+def error_response(api: str, status: int, message: str):
     """An error in the API's own format, so each SDK raises its usual exception."""
+    from aiohttp import web
     kind = {404: "not_found_error", 413: "request_too_large"}.get(
         status, "invalid_request_error" if status < 500 else "api_error")
-    if api == "anthropic":
-        return {"type": "error", "error": {"type": kind, "message": message}}
-    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    body = ({"type": "error", "error": {"type": kind, "message": message}} if api == "anthropic"
+            else {"error": {"message": message, "type": kind, "param": None, "code": None}})
+    return web.json_response(body, status=status)
 
 
 def _sse(events: list[Event]) -> bytes:
@@ -824,15 +824,13 @@ class ChatServer:
                     if api != "count_tokens":
                         session.last = (api, key, response)
         except BadRequest as e:
-            status = 404 if session is None else e.status
-            return web.json_response(error_body(fmt, status, str(e)), status=status)
+            return error_response(fmt, 404 if session is None else e.status, str(e))
         except (TemplateError, RecursionError, UnicodeError) as e:   # e.g. a template that insists roles alternate
-            return web.json_response(error_body(fmt, 400, f"the chat template cannot render this request: {e}"),
-                                     status=400)
+            return error_response(fmt, 400, f"the chat template cannot render this request: {e}")
         except Exception as e:
             if session.error is not e:
                 log.exception("chat server: request failed")
-            return web.json_response(error_body(fmt, 500, f"{type(e).__name__}: {e}"), status=500)
+            return error_response(fmt, 500, f"{type(e).__name__}: {e}")
         headers = {**({"x-molt-cached": "true"} if cached else {}),
                    **({"x-molt-ignored": ", ".join(ignored)} if ignored else {})}   # the run's sampling applies
         if isinstance(response, dict):
@@ -846,15 +844,13 @@ class ChatServer:
         model = {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "molt",
                  "type": "model", "display_name": self.model_name, "created_at": "1970-01-01T00:00:00Z"}
         if request.match_info["session"] not in self.sessions:
-            return web.json_response(error_body("openai", 404, "no open session"), status=404)
+            return error_response("openai", 404, "no open session")
         if "model" in request.match_info:
             return web.json_response(model)
         return web.json_response({"object": "list", "data": [model], "has_more": False,
                                   "first_id": self.model_name, "last_id": self.model_name})
 
     async def _not_found(self, request):
-        from aiohttp import web
         api = "anthropic" if "/messages" in request.path else "openai"
-        return web.json_response(error_body(api, 404, (
-            f"no route {request.method} {request.path}; OpenAI clients use ctx.base_url "
-            "(.../s/<session>/v1), Anthropic clients ctx.anthropic_base_url (.../s/<session>)")), status=404)
+        return error_response(api, 404, f"no route {request.method} {request.path}; OpenAI clients use ctx.base_url "
+                              "(.../s/<session>/v1), Anthropic clients ctx.anthropic_base_url (.../s/<session>)")

@@ -380,8 +380,7 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
                                            dual_clip=cfg["dual_clip"])
         agg = lambda v: self._agg(v, m, i, batch, step_tokens, step_rows)
         share = m.sum().item() / step_tokens.item()  # this micro-batch's share of the step's tokens
-        parts = {"policy_loss": agg(per_token * weights[i].to(dev)),
-                 "clip_frac": float(pm["clip_frac"]) * share}
+        parts = {"policy_loss": agg(per_token * weights[i].to(dev)), "clip_frac": float(pm["clip_frac"]) * share}
         if cfg["kl_loss"]:
             parts["kl_loss"] = cfg["kl_coef"] * agg(losses.kl(lp, ref[i].to(dev), cfg["kl_estimator"]))
         if cfg["entropy_coef"]:
@@ -409,8 +408,7 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights in transformers' in-memory names (MoE experts fused [E, ...]), on CPU.
         Every rank must call it (collectives); rank 0 gets the tensors."""
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
-                                                                       cpu_offload=True))
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         for name, module in self.model.named_modules():
             if isinstance(module, parallel.EPExperts):  # gather this rank's experts, then all EP ranks'
                 for pname, p in module.named_parameters():
