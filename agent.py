@@ -6,13 +6,11 @@ A user writes ordinary Python:
         async def step(self, state):       # state.action = the model's reply text
             return Result(reward=float(state.action == state.label))
 
-`run_env` renders the first prompt with the model's chat template, tokenizes
-it once, asks the engine for a completion as token ids, calls `step`, appends
-the observation as non-trainable tokens rendered by the same template, and
-repeats until the episode ends. It returns a `Trajectory` (trajectory.py, with the
-rendering and encoding both agent runners and the server share): the token ids the
-engine actually saw and sampled, a mask of the policy's own tokens, their
-sampling logprobs and policy versions, and the reward. The sampled text is
+`run_env` renders the first prompt with the model's chat template, tokenizes it once, asks the engine for a
+completion as token ids, calls `step`, appends the observation as non-trainable tokens rendered by the same
+template, and repeats until the episode ends. It returns a `Trajectory` (trajectory.py, with the rendering and
+encoding both agent runners and the server share): the token ids the engine actually saw and sampled, a mask of
+the policy's own tokens, their sampling logprobs and policy versions, and the reward. The sampled text is
 decoded for the agent to read; it is never encoded again.
 
 Or the user owns the loop and talks to the policy with a stock SDK:
@@ -24,10 +22,9 @@ Or the user owns the loop and talks to the policy with a stock SDK:
             reply = await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
             return Result(reward=...)
 
-`run_chat_agent` opens a session on a `ChatServer` (server.py: the loopback
-OpenAI/Anthropic HTTP server and its token-exact trace) and runs the agent; all
-requests of one `run` are one rollout, cut into segments where the conversation
-rewrites its prefix, and the segments share the rollout's reward.
+`run_chat_agent` opens a session on a `ChatServer` (server.py: the loopback OpenAI/Anthropic HTTP server and its
+token-exact trace) and runs the agent; all requests of one `run` are one rollout, cut into segments where the
+conversation rewrites its prefix, and the segments share the rollout's reward.
 
 Agents are loaded from a file with `load_agent(path)`; prompts come from the
 agent's `prompts(seed)` or from a `--dataset` file (data.py).
@@ -105,12 +102,11 @@ Call = Callable[..., Awaitable[Any]]        # (fn, *args) -> what fn(*args) retu
 async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
                   sampling: dict, max_len: int, max_turns: int | None = None,
                   image_tokens=None, max_images: int | None = None, call: Call | None = None) -> Trajectory:
-    """Run one episode of `env` on `row`; returns its token-exact trajectory. For a
-    vision-language model `image_tokens` (vision.ImageTokens) places the row's images
-    (row["images"]) and the observations' (Result.images); a trajectory shows at most
-    `max_images` (the engine's per-request limit): an observation over it ends the episode.
-    `call(fn, *args)` runs the env's own code (reset, step): the loop passes one that runs it
-    on an agent thread (faults.AgentThreads), so a blocking step cannot freeze the loop."""
+    """Run one episode of `env` on `row`; returns its token-exact trajectory. For a vision-language model
+    `image_tokens` (vision.ImageTokens) places the row's images (row["images"]) and the observations'
+    (Result.images); a trajectory shows at most `max_images` (the engine's per-request limit): an observation
+    over it ends the episode. `call(fn, *args)` runs the env's own code (reset, step): the loop passes one that
+    runs it on an agent thread (faults.AgentThreads), so a blocking step cannot freeze the loop."""
     call = call or _call_here
     images = image_tokens.uris(row.get("images")) if image_tokens else _no_images(row.get("images"))
     messages = with_images(prompt_messages(row["prompt"]), images)

@@ -130,9 +130,8 @@ def _still_running(known: dict[int, float] | None) -> list[int]:
 
 def reap(run_id: str, exclude: set[int], grace_s: float = 3.0, limit_s: float = 15.0,
          known: dict[int, float] | None = None) -> list[int]:
-    """SIGTERM every process tagged with `run_id` or in `known` (but `exclude`), SIGKILL those
-    still there after `grace_s`; repeat until none is left or `limit_s` passed. Returns the
-    pids signalled."""
+    """SIGTERM every process tagged with `run_id` or in `known` (but `exclude`), SIGKILL those still there after
+    `grace_s`; repeat until none is left or `limit_s` passed. Returns the pids signalled."""
     signalled: set[int] = set()
     start = time.monotonic()
     while time.monotonic() - start < limit_s:

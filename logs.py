@@ -5,10 +5,9 @@
     sink.close()
     plot(["runs/a", "runs/b"], "compare.png")    # reward, length, KL/mismatch, step time
 
-and what the loop reports: `batch_metrics` (reward, lengths, info of a step's rollouts), the
-progress bar, the end-of-run `summarize`; and a run's records as a whole (`earlier_records`:
-what a fresh run refuses to overwrite without --overwrite; `complete_checkpoints`: the
-checkpoints that --resume may use).
+and what the loop reports: `batch_metrics` (reward, lengths, info of a step's rollouts), the progress bar, the
+end-of-run `summarize`; and a run's records as a whole (`earlier_records`: what a fresh run refuses to overwrite
+without --overwrite; `complete_checkpoints`: the checkpoints that --resume may use).
 
 The run's flags (config.json in the run folder, written by launch.run) are also recorded in
 each backend: TensorBoard hparams + a "config" text, W&B config, MLflow params. W&B runs

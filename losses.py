@@ -1,12 +1,10 @@
-"""Per-token RL losses and their pieces: policy losses (PPO / GSPO / CISPO), loss
-aggregation that is invariant to micro-batching and data parallelism, train/rollout
-importance-sampling correction, KL estimators, entropy, clipped value loss and
-token log-probabilities from logits.
+"""Per-token RL losses and their pieces: policy losses (PPO / GSPO / CISPO), loss aggregation that is invariant
+to micro-batching and data parallelism, train/rollout importance-sampling correction, KL estimators, entropy,
+clipped value loss and token log-probabilities from logits.
 
-Conventions: tensors are [B, T] with `mask` 1 on the policy's action tokens;
-per-token outputs are exactly 0 (value and gradient) where mask == 0. Log-ratios
-are clamped to [-MAX_LOG_RATIO, MAX_LOG_RATIO] before exp. Metrics are detached
-0-dim tensors (masked means over action tokens).
+Conventions: tensors are [B, T] with `mask` 1 on the policy's action tokens; per-token outputs are exactly 0
+(value and gradient) where mask == 0. Log-ratios are clamped to [-MAX_LOG_RATIO, MAX_LOG_RATIO] before exp.
+Metrics are detached 0-dim tensors (masked means over action tokens).
 
 To add a policy loss: AGENTS.md, "Add a loss" (a function and its `PolicyLoss` in POLICY_LOSSES).
 
@@ -102,10 +100,9 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {
 def policy_loss(kind: str, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
                 eps_low: Optional[float] = 0.2, eps_high: float = 0.2,
                 dual_clip: Optional[float] = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """Per-token policy loss [B, T] (minimise it) and metrics; `kind` names an entry of
-    POLICY_LOSSES (ppo, gspo, cispo: see their functions). The ratio's band is
-    [1 - eps_low, 1 + eps_high]; eps_low=None (only for a loss whose default has no lower
-    bound) leaves the lower bound out."""
+    """Per-token policy loss [B, T] (minimise it) and metrics; `kind` names an entry of POLICY_LOSSES (ppo,
+    gspo, cispo: see their functions). The ratio's band is [1 - eps_low, 1 + eps_high]; eps_low=None (only for a
+    loss whose default has no lower bound) leaves the lower bound out."""
     if kind not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {kind!r}; choices: {tuple(POLICY_LOSSES)}")
     spec = POLICY_LOSSES[kind]

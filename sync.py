@@ -26,9 +26,8 @@ class WeightSender:
     """The trainer's half (it uses Trainer's full_state_dict, frozen, dims, device, cfg)."""
 
     def sync_state_dict(self) -> dict[str, torch.Tensor]:
-        """What the engine receives: checkpoint names vLLM's load_weights takes (MoE experts
-        per expert: experts.{e}.gate_proj/up_proj/down_proj.weight), frozen weights (router,
-        vision tower) left out."""
+        """What the engine receives: checkpoint names vLLM's load_weights takes (MoE experts per expert:
+        experts.{e}.gate_proj/up_proj/down_proj.weight), frozen weights (router, vision tower) left out."""
         out = {}
         for k, v in self.full_state_dict().items():
             if k.endswith("mlp.experts.gate_up_proj"):        # [E, 2I, H]

@@ -5,16 +5,14 @@
 
   1. pads the token-exact trajectories into [B, T] tensors (no re-tokenizing) and splits
      them into this rank's micro-batches (batches.py);
-  2. recomputes the logprobs of the sampled tokens under the current weights
-     (`old_logprobs`) and logs how far they are from the engine's sampling
-     logprobs (the train/rollout mismatch);
+  2. recomputes the logprobs of the sampled tokens under the current weights (`old_logprobs`) and logs how far
+     they are from the engine's sampling logprobs (the train/rollout mismatch);
   3. computes advantages with the chosen estimator (estimators.py);
   4. for each micro-batch: forward, policy loss (losses.py) normalized by the
      action tokens of the whole step, backward; then clip and step the optimizer.
 
-The weights go to the engines through `sync.WeightSender`, checkpoints through
-`checkpoint.Checkpoints` (both bases of `Trainer`).
-`build_tiny_model` makes the default random-init model and its offline character tokenizer.
+The weights go to the engines through `sync.WeightSender`, checkpoints through `checkpoint.Checkpoints` (both
+bases of `Trainer`). `build_tiny_model` makes the default random-init model and its offline character tokenizer.
 
     python -c "import trainer; trainer.build_tiny_model('/tmp/tiny')"
 """
@@ -217,8 +215,7 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         return x.cpu()
 
     def _inputs(self, batch: dict, mb: torch.Tensor) -> dict:
-        """Model inputs of a micro-batch on this rank's device (batches.layout), a VLM's
-        pixel inputs added."""
+        """Model inputs of a micro-batch on this rank's device (batches.layout), a VLM's pixel inputs added."""
         real = len(mb) > 0
         idx = mb if real else torch.tensor([0])    # an empty micro-batch runs a zero-weight row
         x = batches.layout(batch, idx, self.cfg.get("packing"), self.dims.cp, self.dims.cp_rank,

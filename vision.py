@@ -197,9 +197,8 @@ def to_data_uri(image: ImageSpec) -> str:
 
 
 def collapse_image_pads(ids: list[int], pad_id: int) -> list[int]:
-    """Expanded (trainer) ids -> engine ids: each run of image pads becomes one pad.
-    The template closes every image with <|vision_end|> and opens the next with
-    <|vision_start|>, so two images never form one run."""
+    """Expanded (trainer) ids -> engine ids: each run of image pads becomes one pad. The template closes every
+    image with <|vision_end|> and opens the next with <|vision_start|>, so two images never form one run."""
     return [t for i, t in enumerate(ids) if t != pad_id or i == 0 or ids[i - 1] != pad_id]
 
 
