@@ -97,32 +97,28 @@ def layout(batch: dict, idx: torch.Tensor, packing: bool, cp: int, cp_rank: int,
     if packing:
         r = torch.arange(len(idx)).repeat_interleave(L)                        # [N] row of each token
         pos = torch.cat([torch.arange(int(l)) for l in L])                     # [N] reset per sample
-        rows_g = idx[r]
+        rows_g, grid = idx[r], (r, pos)                                        # grid: where outputs go
         seg_same = r[:, None] == r[None, :]
         attn = (seg_same & torch.ones(len(r), len(r), dtype=torch.bool).tril())[None, None]  # [1, 1, N, N]
         inp = {"input_ids": batch["input_ids"][rows_g, pos][None], "position_ids": pos[None], "attention_mask": attn}
         tgt = batch["targets"][rows_g, pos][None]                              # [1, N]
         rep = routing[rows_g, pos] if routing is not None else None            # [N, layers, k]
-
-        def unpack(x):                                                         # [1, N] -> [b, T]
-            out = torch.zeros(len(idx), T, dtype=x.dtype)
-            out[r, pos] = x[0].cpu()
-            return out
         own = cols[None, :] < L[:, None]
     else:
         Tm = -(-int(L.max()) // cp) * cp
         c0, c1 = cp_rank * Tm // cp, (cp_rank + 1) * Tm // cp
+        grid = (slice(None), slice(c0, c1))
         inp = {"input_ids": batch["input_ids"][idx, c0:c1]}
         if cp > 1:
             inp["position_ids"] = torch.arange(c0, c1)[None].expand(len(idx), -1)
         tgt = batch["targets"][idx, c0:c1]
         rep = routing[idx, c0:c1].flatten(0, 1) if routing is not None else None
-
-        def unpack(x):                                                         # [b, c1-c0] -> [b, T]
-            out = torch.zeros(len(idx), T, dtype=x.dtype)
-            out[:, c0:c1] = x.cpu()
-            return out
         own = (cols[None, :] < L[:, None]) & (cols >= c0) & (cols < c1)
+
+    def unpack(x):                                                             # [1, N] or [b, c1-c0] -> [b, T]
+        out = torch.zeros(len(idx), T, dtype=x.dtype)
+        out[grid] = (x[0] if packing else x).cpu()
+        return out
     return {"inputs": inp, "targets": tgt, "unpack": unpack, "own": own, "replay": rep}
 
 

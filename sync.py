@@ -168,11 +168,10 @@ def bucket_plan(weights: dict[str, torch.Tensor], bucket_bytes: int) -> list[lis
     return plan if plan[0] else []
 
 
-# On CPU every fresh bucket buffer is paid in page faults at each update (SmolLM2, 2 cores: a
-# 509 MiB bucket took 0.3-2.1 s to receive into fresh memory, 0.14-0.17 s into reused memory). So
-# on CPU the sender reuses one buffer for all its buckets, and a receiver reuses its first
-# bucket's buffer of the previous update (that update's reload has finished by then). On GPU
-# torch's caching allocator already reuses memory.
+# On CPU every fresh bucket buffer is paid in page faults at each update (SmolLM2, 2 cores: a 509 MiB bucket
+# took 0.3-2.1 s to receive into fresh memory, 0.14-0.17 s into reused memory). So on CPU the sender reuses one
+# buffer for all its buckets, and a receiver reuses its first bucket's buffer of the previous update (that
+# update's reload has finished by then). On GPU torch's caching allocator already reuses memory.
 _kept: dict[str, torch.Tensor] = {}
 
 
