@@ -30,8 +30,6 @@ Agents are loaded from a file with `load_agent(path)`; prompts come from the
 agent's `prompts(seed)` or from a `--dataset` file (data.py).
 """
 
-from __future__ import annotations
-
 import importlib.util
 import inspect
 import asyncio
@@ -206,7 +204,7 @@ class ChatAgent(_Agent):
         raise NotImplementedError
 
 
-async def run_chat_agent(agent: ChatAgent, row: dict, generate: Generate, tokenizer, server: ChatServer, *,
+async def run_chat_agent(agent: ChatAgent, row: dict, generate: Generate, tokenizer, server: "ChatServer", *,
                          sampling: dict, max_len: int, image_tokens=None,
                          call: Call | None = None) -> list[Trajectory]:
     """Run one `agent.run` on `row` through a fresh session of `server` (started, in this

@@ -9,8 +9,6 @@ a micro-batch's outputs back on the [B, T] grid, differentiably. Pure functions 
     python -m pytest -q tests/test_parallel.py -k "micro or pack or split"
 """
 
-from __future__ import annotations
-
 import torch
 
 def collate(trajectories: list[dict], pad_id: int, multiple: int = 1) -> dict[str, torch.Tensor]:

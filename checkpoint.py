@@ -7,8 +7,6 @@
     python -m pytest -q tests/test_parallel.py -k checkpoint
 """
 
-from __future__ import annotations
-
 import torch
 
 import parallel

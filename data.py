@@ -21,8 +21,6 @@ any `.gguf` file into a normal safetensors folder, once, under the cache dir (`c
     python -c "import data; print(data.resolve_model('smollm2'))"
 """
 
-from __future__ import annotations
-
 import contextlib
 import csv
 import hashlib

@@ -3,8 +3,6 @@
 steps; `python main.py --eval_only` runs it once on a run's weights.
 """
 
-from __future__ import annotations
-
 import asyncio
 import itertools
 

@@ -21,8 +21,6 @@ Never hang (the loop's agents):
     that has not run for BLOCKED_S seconds is reported once with its thread's stack.
 """
 
-from __future__ import annotations
-
 import asyncio
 import collections
 import contextlib

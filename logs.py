@@ -17,8 +17,6 @@ MLflow writes to a local store (`mlflow ui --backend-store-uri RUN_DIR/mlruns`) 
     python plot.py runs/latest runs/other -o compare.png
 """
 
-from __future__ import annotations
-
 import json
 import math
 import os

@@ -9,8 +9,6 @@ Flags are grouped by concept; `validate` refuses bad values and unsound
 combinations before Ray, the engine or the trainer start.
 """
 
-from __future__ import annotations
-
 import argparse
 import importlib
 import os

@@ -16,8 +16,6 @@ streamed, it is the same reply as server-sent events: neither changes the trace.
 field gets (honoured; ignored, named in `x-molt-ignored`; a 400, never a 5xx): docs/server.md.
 """
 
-from __future__ import annotations
-
 import asyncio
 import contextlib
 import functools

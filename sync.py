@@ -10,8 +10,6 @@ that receives and reloads in place. Both sit behind `generator.Engines.update_we
     python -m pytest -q tests/test_weight_sync.py
 """
 
-from __future__ import annotations
-
 import datetime
 import json
 from typing import Iterator

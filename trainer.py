@@ -17,8 +17,6 @@ bases of `Trainer`). `build_tiny_model` makes the default random-init model and 
     python -c "import trainer; trainer.build_tiny_model('/tmp/tiny')"
 """
 
-from __future__ import annotations
-
 import asyncio
 import gc
 import json

@@ -16,8 +16,6 @@ re-renders earlier turns (an Env cannot continue; a ChatAgent starts a new segme
 `sample` raises `DropRollout` for a rollout that cannot be trained on.
 """
 
-from __future__ import annotations
-
 import functools
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable

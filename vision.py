@@ -22,8 +22,6 @@ CPU machines without torchvision need two shims (see `VIDEO_STUB` and
 `examples/vlm_shims/sitecustomize.py`); both do nothing where torchvision works.
 """
 
-from __future__ import annotations
-
 import base64
 import functools
 import io
