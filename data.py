@@ -7,9 +7,8 @@ list of chat messages ({"role", "content"}); `label` is whatever the agent grade
     --dataset reasoning-gym:basic_arithmetic
     --dataset reasoning-gym:basic_arithmetic:max_terms=2,max_digits=1    # task config
 
-Files are read whole and checked row by row: a bad row raises ONE ValueError naming the file, the
-line (JSONL, CSV) or row (JSON, Parquet, folder) and the missing or bad field. main.validate calls
-`load_rows` before anything starts.
+Files are read whole and checked row by row: a bad row raises ONE ValueError naming the file, the line (JSONL, CSV)
+or row (JSON, Parquet, folder) and the missing or bad field. main.validate calls `load_rows` before anything starts.
 
 reasoning-gym rows are generated offline, an endless stream (a new seed per epoch); each carries
 what an agent needs to grade: `row["task"]` and `row["entry"]` (the reasoning-gym item), so
@@ -46,16 +45,16 @@ def need_package(module: str, pip: str, what: str):
 
 def _check_message(msgs: Any, where: str, key: str) -> None:
     for i, m in enumerate(msgs):
+        at = f"{where}: field {key!r}: message {i}"
         if not isinstance(m, dict):
-            raise ValueError(f"{where}: field {key!r}: message {i} is not an object {{role, content}}")
+            raise ValueError(f"{at} is not an object {{role, content}}")
         if not isinstance(m.get("role"), str):
-            raise ValueError(f"{where}: field {key!r}: message {i} has no string 'role'")
+            raise ValueError(f"{at} has no string 'role'")
         content = m.get("content")
         parts_ok = isinstance(content, list) and all(
             isinstance(p, dict) and p.get("type") in ("text", "image", "image_url") for p in content)
         if not isinstance(content, str) and not parts_ok:
-            raise ValueError(f"{where}: field {key!r}: message {i} needs a string 'content' or a list of "
-                             "text/image parts")
+            raise ValueError(f"{at} needs a string 'content' or a list of text/image parts")
 
 
 def _images(raw: dict, where: str, image_key: str, max_images: int | None) -> list:
@@ -302,7 +301,6 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     the quantization config) gets the dequantized state dict and is saved instead."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     kw = {"gguf_file": gguf.name}
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kw)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)

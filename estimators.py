@@ -59,8 +59,7 @@ def _last_action(mask: Tensor) -> Tensor:
     """[B, T] one-hot of each row's last action token (all zero for rows without one)."""
     m = mask.bool()
     last = m.shape[1] - 1 - m.flip(1).int().argmax(1)  # [B]
-    onehot = torch.zeros(m.shape, device=m.device).scatter_(1, last[:, None], 1.0)
-    return onehot * m.any(1, keepdim=True)
+    return torch.zeros(m.shape, device=m.device).scatter_(1, last[:, None], 1.0) * m.any(1, keepdim=True)
 
 
 def _token_rewards(name: str, seq_reward: Tensor, mask: Tensor, kl: OptT, kl_coef: float) -> Tensor:

@@ -104,7 +104,6 @@ def plot(runs: list[str | Path], out: str | Path) -> str:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), squeeze=False)
     for run in runs:
         path = Path(run) / "metrics.jsonl" if Path(run).is_dir() else Path(run)

@@ -7,13 +7,12 @@ The trace and its rendering, `Trajectory`, `render`/`encode`, `delta_ids`, `samp
 `/s/<session>/v1/`: POST chat/completions (OpenAI), responses (OpenAI; previous_response_id within the
 session) and messages (Anthropic), each streamed or not; POST messages/count_tokens; GET models.
 
-Each API is decoded into one canonical request (`Request`) and a `ChatSession` turns requests
-into a token-exact trace: the first request is rendered with the chat template and tokenized
-once; one that extends the last (its messages, the reply as returned, new messages) appends only
-the delta, unmasked; one that rewrites the prefix starts a new segment. A reply is one completion
-of sampled ids, split into reasoning, text and tool calls by vLLM's own parsers (`reply_parsers`);
-streamed, it is the same reply as server-sent events: neither changes the trace. What each API
-field gets (honoured; ignored, named in `x-molt-ignored`; a 400, never a 5xx): docs/server.md.
+Each API is decoded into one canonical request (`Request`) and a `ChatSession` turns requests into a token-exact
+trace: the first request is rendered with the chat template and tokenized once; one that extends the last (its
+messages, the reply as returned, new messages) appends only the delta, unmasked; one that rewrites the prefix starts
+a new segment. A reply is one completion of sampled ids, split into reasoning, text and tool calls by vLLM's own
+parsers (`reply_parsers`); streamed, it is the same reply as server-sent events: neither changes the trace. What
+each API field gets (honoured; ignored, named in `x-molt-ignored`; a 400, never a 5xx): docs/server.md.
 """
 
 import asyncio
@@ -467,9 +466,6 @@ def _token_logprobs(tokenizer, ids: list[int], logprobs: list[float], tops: list
             for i, (t, lp) in enumerate(zip(ids[:n], logprobs[:n]))]
 
 
-EMPTY = {"role": "assistant", "content": ""}   # a reply with no text and no call
-
-
 class ChatSession:
     """The token-exact trace behind one rollout's requests, cut into segments."""
 
@@ -507,7 +503,8 @@ class ChatSession:
         native = tools if self.native_tools else None
         # The whole last conversation, or all but its reply when that was empty: the OpenAI Agents SDK
         # (chat completions) drops an empty reply from the history it sends back.
-        held = [n for n in (len(self.keys), len(self.keys) - 1 if self.keys[-1:] == [_key(EMPTY)] else -1)
+        empty = [_key({"role": "assistant", "content": ""})]   # a reply with no text and no call
+        held = [n for n in (len(self.keys), len(self.keys) - 1 if self.keys[-1:] == empty else -1)
                 if 0 <= n < len(messages) and [_key(m) for m in messages[:n]] == self.keys[:n]]
         if self.segments and tools == self.tools and held:
             n = held[0]

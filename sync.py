@@ -1,11 +1,10 @@
 """Weight sync, both halves: the trainer's rank 0 sends the policy, every engine worker reloads it.
 
-`--weight_sync ray`: one safetensors blob (`WeightSender.weights_blob`) through Ray's object
-store (shared memory on one node; the default with exactly one GPU). `--weight_sync broadcast`:
-rank 0 broadcasts flat buckets of `--sync_bucket_mb` into every engine worker over a process
-group of their own (nccl on GPU, gloo on CPU), each tensor in its own dtype, bit for bit.
-`WeightSender` is a base of `trainer.Trainer`; `WeightReceiver` is the vLLM worker extension
-that receives and reloads in place. Both sit behind `generator.Engines.update_weights`.
+`--weight_sync ray`: one safetensors blob (`WeightSender.weights_blob`) through Ray's object store (shared memory on
+one node; the default with exactly one GPU). `--weight_sync broadcast`: rank 0 broadcasts flat buckets of
+`--sync_bucket_mb` into every engine worker over a process group of their own (nccl on GPU, gloo on CPU), each
+tensor in its own dtype, bit for bit. `WeightSender` is a base of `trainer.Trainer`; `WeightReceiver` is the vLLM
+worker extension that receives and reloads in place. Both sit behind `generator.Engines.update_weights`.
 
     python -m pytest -q tests/test_weight_sync.py
 """

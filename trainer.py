@@ -1,7 +1,6 @@
 """The policy trainer: a transformers causal LM under FSDP2, one RL step at a time.
 
-`Trainer` runs as a Ray actor (`TrainerGroup` below wraps it with `ray.remote`). Each
-`train_step(trajectories)`:
+`Trainer` runs as a Ray actor (`TrainerGroup` below wraps it with `ray.remote`). Each `train_step(trajectories)`:
 
   1. pads the token-exact trajectories into [B, T] tensors (no re-tokenizing) and splits
      them into this rank's micro-batches (batches.py);
@@ -50,7 +49,6 @@ def build_tiny_model(path: str, seed: int = 0) -> str:
     alone to get started."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
-
     out = Path(path)
     if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
         return str(out)
@@ -140,7 +138,6 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
                  master_addr: str = "127.0.0.1", master_port: int = 0,
                  node: tuple[int, int, bool] | None = None):
         from transformers import AutoConfig, AutoTokenizer
-
         self.cfg = cfg
         torch.manual_seed(cfg["seed"])
         # node: (trainer ranks, engines on this rank's node, whether they overlap): on CPU the threads come from

@@ -103,7 +103,6 @@ def build_tiny_vlm(path: str, seed: int = 0) -> str:
     `AutoTokenizer`) and vLLM (`trust_remote_code=True`) load it offline."""
     from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
     out = Path(path)
     if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
         return str(out)
@@ -261,12 +260,11 @@ def image_inputs(processor, images: list[ImageSpec]) -> dict[str, Any]:
 
 def mm_forward_kwargs(input_ids: torch.Tensor, images: list[list[ImageSpec]], processor,
                       image_token_id: int) -> dict[str, torch.Tensor]:
-    """Extra forward kwargs of a [B, T] batch of expanded ids whose row b shows images[b]
-    (possibly none). Qwen2.5-VL's forward consumes pixel_values and image_grid_thw as one flat
-    sequence over the batch (row 0's images, then row 1's, ...) and finds the images' places
-    by the pads in input_ids; mm_token_type_ids (1 on image pads, 0 elsewhere, padding included)
-    is what makes it compute the 3D (M-RoPE) positions: without it text after an image gets
-    plain 1D positions, which vLLM does not use. Right padding needs no attention mask (causal).
+    """Extra forward kwargs of a [B, T] batch of expanded ids whose row b shows images[b] (possibly none).
+    Qwen2.5-VL's forward consumes pixel_values and image_grid_thw as one flat sequence over the batch (row 0's
+    images, then row 1's, ...) and finds the images' places by the pads in input_ids; mm_token_type_ids (1 on image
+    pads, 0 elsewhere, padding included) is what makes it compute the 3D (M-RoPE) positions: without it text after
+    an image gets plain 1D positions, which vLLM does not use. Right padding needs no attention mask (causal).
 
     A row's pads must all be in input_ids (no slicing through an image: CP chunks and
     packing with 1D position_ids do not work with images)."""
