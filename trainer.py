@@ -64,10 +64,9 @@ def build_tiny_model(path: str, seed: int = 0) -> str:
                          head_dim=32,  # vLLM's CPU attention needs head_dim >= 32
                          max_position_embeddings=1024, tie_word_embeddings=True,
                          eos_token_id=0, pad_token_id=0, bos_token_id=None)
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
     tmp = out.with_name(out.name + ".tmp")
-    model.save_pretrained(tmp)
+    torch.manual_seed(seed)
+    Qwen3ForCausalLM(config).save_pretrained(tmp)
     hf_tok.save_pretrained(tmp)
     tmp.rename(out)  # atomic: a half-built folder is never reused
     return str(out)
