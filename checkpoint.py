@@ -85,7 +85,5 @@ def split_experts(sd: dict, dims: parallel.ParallelDims) -> dict:
             for e in ids:   # scalar entries ("step") are shared by the experts of one tensor
                 state[e] = {n: p[e] if isinstance(p, dict) else p for n, p in parts.items()}
         return {"state": state, "param_groups": sd["param_groups"]}
-    out = {}
-    for key, v in sd.items():
-        out.update(split(key, v) if key.endswith(EXPERT_PARAMS) else {key: v})
-    return out
+    return {name: t for key, v in sd.items()
+            for name, t in (split(key, v) if key.endswith(EXPERT_PARAMS) else {key: v}).items()}

@@ -97,18 +97,13 @@ def catch_stop_signals() -> dict | None:
     return old
 
 
-def tagged_pids(value: str, key: str = TAG) -> list[int]:
-    """Pids of live processes whose (initial) environment holds key=value."""
-    needle = f"{key}={value}".encode()
-    found = []
+def tagged_pids(value: str) -> list[int]:
+    """Pids of live processes whose (initial) environment holds TAG=value."""
+    needle, found = f"{TAG}={value}".encode(), []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
+        with contextlib.suppress(OSError):  # gone, a zombie, or not ours to read
+            if entry.name.isdigit() and needle in (entry / "environ").read_bytes().split(b"\0"):
                 found.append(int(entry.name))
-        except OSError:  # gone, a zombie, or not ours to read
-            continue
     return found
 
 
