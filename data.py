@@ -337,8 +337,7 @@ def check_prompts_fit(tokenizer, rows: list[dict], max_len: int, where: str, ima
     for i, row in enumerate(rows):
         images = image_tokens.uris(row.get("images")) if image_tokens else []
         msgs = trajectory.with_images(trajectory.prompt_messages(row["prompt"]), images)
-        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-        n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        n = len(trajectory.encode(tokenizer, trajectory.render(tokenizer, msgs, True)))   # as run_env encodes it
         n += sum(image_tokens.counts(images)) - len(images) if images else 0
         if n >= max_len:
             raise ValueError(f"--max_len {max_len} is too small: prompt {i} of {where} is {n} tokens with "

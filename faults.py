@@ -383,25 +383,23 @@ class Watchdog:
         if not self.stop.is_set():
             self.loop.call_later(0.5, self._beat)
 
-    def _report(self, what: str, seconds: float, ident: int | None):
-        frame = sys._current_frames().get(ident)
-        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)\n"
-        text = f"{what} has not run for {seconds:.0f}s (blocking code on it?); it is at:\n{stack}"
-        self.reports.append(text)
-        log.warning("%s", text)
+    def _report(self, what: str, seconds: float, ident: int | None, reported: bool) -> bool:
+        """Report `what` (with its thread's stack) once per blocked stretch; returns whether it is blocked."""
+        if seconds >= BLOCKED_S and not reported:
+            frame = sys._current_frames().get(ident)
+            stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)\n"
+            text = f"{what} has not run for {seconds:.0f}s (blocking code on it?); it is at:\n{stack}"
+            self.reports.append(text)
+            log.warning("%s", text)
+        return seconds >= BLOCKED_S
 
     def _watch(self):
         main_reported = False
         while not self.stop.wait(min(1.0, BLOCKED_S / 4)):
-            silent = time.monotonic() - self.tick
-            if silent >= BLOCKED_S and not main_reported:
-                self._report("the driver's event loop (rollouts, engine calls, training)", silent, self.main_ident)
-            main_reported = silent >= BLOCKED_S
+            main_reported = self._report("the driver's event loop (rollouts, engine calls, training)",
+                                         time.monotonic() - self.tick, self.main_ident, main_reported)
             for t in list(self.agents.threads) if self.agents else []:
-                silent = t.blocked_for()
-                if silent >= BLOCKED_S and not t.reported:
-                    self._report(f"agent thread {t.thread.name}", silent, t.thread.ident)
-                t.reported = silent >= BLOCKED_S
+                t.reported = self._report(f"agent thread {t.thread.name}", t.blocked_for(), t.thread.ident, t.reported)
 
 
 if __name__ == "__main__":

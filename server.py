@@ -384,8 +384,7 @@ def _template_messages(messages: list[dict], native_tools: bool) -> list[dict]:
         t = {"role": m["role"], "content": m["content"]}
         if m.get("tool_calls") and native_tools:
             t["tool_calls"] = [{"id": c["id"], "type": "function",
-                                "function": {"name": c["name"], "arguments": c["arguments"]}}
-                               for c in m["tool_calls"]]
+                                "function": {"name": c["name"], "arguments": c["arguments"]}} for c in m["tool_calls"]]
         elif m.get("tool_calls"):
             t["content"] += "".join("<tool_call>" + json.dumps({"name": c["name"], "arguments": c["arguments"]})
                                     + "</tool_call>" for c in m["tool_calls"])
