@@ -33,7 +33,6 @@ agent's `prompts(seed)` or from a `--dataset` file (data.py).
 import importlib.util
 import inspect
 import asyncio
-import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,8 +44,6 @@ from trajectory import (Generate, Trajectory, decode_reply, delta_ids, encode, p
 
 if TYPE_CHECKING:
     from server import ChatServer
-
-log = logging.getLogger("molt")
 
 
 @dataclass

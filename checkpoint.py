@@ -29,8 +29,7 @@ class Checkpoints:
         return state, dicts
 
     def save_checkpoint(self, path: str) -> str:
-        """Model, optimizer, critic (+ its optimizer) and version: every rank writes its own shards
-        (all ranks must call it); the checkpoint resumes under any layout (see the module docstring)."""
+        """Model, optimizer, critic (+ its optimizer) and version; every rank writes its own shards (all call it)."""
         import torch.distributed.checkpoint as dcp
         dcp.save(self.checkpoint_state()[0], checkpoint_id=path)
         return path

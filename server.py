@@ -79,14 +79,6 @@ def parse_reply(text: str, parsers: tuple, request, calls: bool, most: int | Non
     return reasoning, (found.content or "").strip(), got[:most]
 
 
-def _parser_request(tools: list[dict] | None):   # what vLLM's parsers read: the tools offered
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-    try:
-        return ChatCompletionRequest(model="policy", messages=[], tools=tools)
-    except ValueError as e:
-        raise BadRequest(f"tools: {e}") from None
-
-
 # ---------------------------------------------------------------- requests: each API -> one canonical form
 
 TEXT_PARTS = ("text", "input_text", "output_text")   # Chat/Anthropic, Responses input, Responses output
@@ -522,7 +514,11 @@ class ChatSession:
         return ids, ids, rendered, images
 
     async def complete(self, req: Request) -> Reply:
-        request = _parser_request(req.tools)
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        try:   # what vLLM's parsers read: the tools offered
+            request = ChatCompletionRequest(model="policy", messages=[], tools=req.tools)
+        except ValueError as e:
+            raise BadRequest(f"tools: {e}") from None
         prompt, delta, rendered, new_images = self.prompt(req.messages, req.tools)
         budget = self.max_len - len(prompt)
         if budget <= 0:  # no room for even one token: an empty, cut-off reply; nothing recorded
