@@ -418,15 +418,6 @@ class Reply:
                 for i, d in enumerate(self.pieces or ([self.text] if self.text else []))]
 
 
-def _pieces(tokenizer, ids: list[int], text: str) -> list[str]:
-    """`text` as one piece per sampled token (a final end-of-turn aside) when they make exactly the text;
-    else [] (tool calls, reasoning, a stop cut, a character split across tokens: it streams whole)."""
-    if ids and ids[-1] == tokenizer.eos_token_id:
-        ids = ids[:-1]
-    pieces = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
-    return pieces if "".join(pieces) == text else []
-
-
 @functools.lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
     """Byte-level BPE's printable stand-ins (GPT-2, Llama 3, Qwen) -> the bytes they stand for."""
@@ -448,13 +439,12 @@ def token_bytes(tokenizer, t: int, text: str) -> list[int]:
 
 
 def _token_logprobs(tokenizer, ids: list[int], logprobs: list[float], tops: list | None) -> list[dict]:
-    """Per sampled token (a final end-of-turn aside): its text, bytes, logprob and alternatives."""
+    """Per token of `ids`: its text, bytes, logprob and alternatives."""
     def entry(t: int, lp: float) -> dict:
         text = tokenizer.decode([t], skip_special_tokens=False)
         return {"token": text, "logprob": lp, "bytes": token_bytes(tokenizer, t, text)}
-    n = len(ids) - (1 if ids and ids[-1] == tokenizer.eos_token_id else 0)
     return [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in (tops[i] if tops else [])]}
-            for i, (t, lp) in enumerate(zip(ids[:n], logprobs[:n]))]
+            for i, (t, lp) in enumerate(zip(ids, logprobs))]
 
 
 class ChatSession:
@@ -552,10 +542,14 @@ class ChatSession:
         self.rendered = rendered + [{"role": "assistant", "content": sampled}]
         self.tools, self.reply_ids = req.tools, ids
         finish = "length" if cutoff else ("tool_calls" if calls else "stop")
+        shown = ids[:-1] if ids and ids[-1] == self.tokenizer.eos_token_id else ids   # a final end-of-turn aside
         logprobs = None if req.top_logprobs is None else \
-            _token_logprobs(self.tokenizer, ids, out["logprobs"], out.get("top_logprobs"))
+            _token_logprobs(self.tokenizer, shown, out["logprobs"], out.get("top_logprobs"))
+        # Streamed one piece per sampled token when the pieces make exactly the text; else whole (tool calls,
+        # reasoning, a stop cut, a character split across tokens).
+        pieces = [self.tokenizer.decode([t], skip_special_tokens=False) for t in shown]
         return Reply(text, calls, finish, len(prompt), len(ids), stop if cut >= 0 else None, logprobs,
-                     _pieces(self.tokenizer, ids, text), reasoning)
+                     pieces if "".join(pieces) == text else [], reasoning)
 
 
 # ---------------------------------------------------------------- replies: one Reply -> each API, whole or streamed
