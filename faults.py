@@ -359,8 +359,7 @@ class AgentThreads:
 
 
 class Watchdog:
-    """A thread that reports an event loop (the driver's, or an agent thread's) that has not
-    run for BLOCKED_S seconds, once per blocked stretch, with the blocked thread's stack."""
+    """A thread that reports a stalled event loop, the driver's or an agent thread's (see the module docstring)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, agents: AgentThreads | None = None):
         self.loop, self.agents = loop, agents

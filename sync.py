@@ -35,9 +35,7 @@ class WeightSender:
             elif k.endswith("mlp.experts.down_proj"):         # [E, H, I]
                 for e in range(v.shape[0]):
                     out[f"{k[:-len('down_proj')]}{e}.down_proj.weight"] = v[e]
-            elif k in self.frozen:
-                continue                                      # never changes: nothing to send
-            else:
+            elif k not in self.frozen:                        # a frozen one never changes: nothing to send
                 out[k] = v
         return out
 

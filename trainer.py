@@ -216,8 +216,7 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
                            self.cfg.get("routing_replay"))
         inp = x["inputs"]
         if self.image_processor is not None:  # whole rows (CP and packing are refused for VLMs)
-            images = batch.get("images") or [[] for _ in range(len(batch["input_ids"]))]
-            rows_images = [images[i] for i in idx.tolist()]
+            rows_images = [batch["images"][i] for i in idx.tolist()] if batch.get("images") else [[] for _ in idx]
             if self.dims.dp_shard > 1 and not any(rows_images):
                 # Every rank must run the FSDP-sharded vision blocks (their collectives): add a
                 # row showing a blank image; _forward drops its outputs.
