@@ -6,13 +6,11 @@ A user writes ordinary Python:
         async def step(self, state):       # state.action = the model's reply text
             return Result(reward=float(state.action == state.label))
 
-`run_env` renders the first prompt with the model's chat template, tokenizes
-it once, asks the engine for a completion as token ids, calls `step`, appends
-the observation as non-trainable tokens rendered by the same template, and
-repeats until the episode ends. It returns a `Trajectory` (trajectory.py, with the
-rendering and encoding both agent runners and the server share): the token ids the
-engine actually saw and sampled, a mask of the policy's own tokens, their
-sampling logprobs and policy versions, and the reward. The sampled text is
+`run_env` renders the first prompt with the model's chat template, tokenizes it once, asks the engine for a
+completion as token ids, calls `step`, appends the observation as non-trainable tokens rendered by the same
+template, and repeats until the episode ends. It returns a `Trajectory` (trajectory.py, with the rendering and
+encoding both agent runners and the server share): the token ids the engine actually saw and sampled, a mask of
+the policy's own tokens, their sampling logprobs and policy versions, and the reward. The sampled text is
 decoded for the agent to read; it is never encoded again.
 
 Or the user owns the loop and talks to the policy with a stock SDK:
@@ -24,34 +22,28 @@ Or the user owns the loop and talks to the policy with a stock SDK:
             reply = await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
             return Result(reward=...)
 
-`run_chat_agent` opens a session on a `ChatServer` (server.py: the loopback
-OpenAI/Anthropic HTTP server and its token-exact trace) and runs the agent; all
-requests of one `run` are one rollout, cut into segments where the conversation
-rewrites its prefix, and the segments share the rollout's reward.
+`run_chat_agent` opens a session on a `ChatServer` (server.py: the loopback OpenAI/Anthropic HTTP server and its
+token-exact trace) and runs the agent; all requests of one `run` are one rollout, cut into segments where the
+conversation rewrites its prefix, and the segments share the rollout's reward.
 
 Agents are loaded from a file with `load_agent(path)`; prompts come from the
 agent's `prompts(seed)` or from a `--dataset` file (data.py).
 """
 
-from __future__ import annotations
-
 import importlib.util
 import inspect
 import asyncio
-import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator
 
 import vision
-from trajectory import (Generate, Trajectory, decode_reply, encode, observation_ids, prompt_messages, render,
-                        sample, with_images)
+from trajectory import (Generate, Trajectory, decode_reply, delta_ids, encode, prompt_messages, render, sample,
+                        with_images)
 
 if TYPE_CHECKING:
     from server import ChatServer
-
-log = logging.getLogger("molt")
 
 
 @dataclass
@@ -105,12 +97,11 @@ Call = Callable[..., Awaitable[Any]]        # (fn, *args) -> what fn(*args) retu
 async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
                   sampling: dict, max_len: int, max_turns: int | None = None,
                   image_tokens=None, max_images: int | None = None, call: Call | None = None) -> Trajectory:
-    """Run one episode of `env` on `row`; returns its token-exact trajectory. For a
-    vision-language model `image_tokens` (vision.ImageTokens) places the row's images
-    (row["images"]) and the observations' (Result.images); a trajectory shows at most
-    `max_images` (the engine's per-request limit): an observation over it ends the episode.
-    `call(fn, *args)` runs the env's own code (reset, step): the loop passes one that runs it
-    on an agent thread (faults.AgentThreads), so a blocking step cannot freeze the loop."""
+    """Run one episode of `env` on `row`; returns its token-exact trajectory. For a vision-language model
+    `image_tokens` (vision.ImageTokens) places the row's images (row["images"]) and the observations'
+    (Result.images); a trajectory shows at most `max_images` (the engine's per-request limit): an observation
+    over it ends the episode. `call(fn, *args)` runs the env's own code (reset, step): the loop passes one that
+    runs it on an agent thread (faults.AgentThreads), so a blocking step cannot freeze the loop."""
     call = call or _call_here
     images = image_tokens.uris(row.get("images")) if image_tokens else _no_images(row.get("images"))
     messages = with_images(prompt_messages(row["prompt"]), images)
@@ -133,8 +124,7 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
         messages.append({"role": "assistant", "content": action})
         result = await call(env.step, State(prompt=row["prompt"], label=row.get("label"), action=action,
                                             observation=observation, messages=messages, turn=turn,
-                                            sampling_params=params, row=row,
-                                            finish_reason=out["finish_reason"]))
+                                            sampling_params=params, row=row, finish_reason=out["finish_reason"]))
         reward = float(result.reward)
         if not math.isfinite(reward):
             raise ValueError(f"agent returned a non-finite reward {result.reward!r}")
@@ -146,9 +136,8 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
         observation = result.observation or ""
         new_images = image_tokens.uris(result.images) if image_tokens else _no_images(result.images)
         content = with_images([{"role": "user", "content": observation}], new_images)[0]["content"]
-        obs_ids = observation_ids(tokenizer, messages, out["token_ids"], content)
-        if new_images:
-            obs_ids = image_tokens.expand(obs_ids, new_images)
+        obs_ids = delta_ids(tokenizer, messages, out["token_ids"], [{"role": "user", "content": content}])
+        obs_ids = image_tokens.expand(obs_ids, new_images) if new_images else obs_ids
         if (len(traj.tokens) + len(obs_ids) >= max_len  # whole observations only: never half an image
                 or (max_images is not None and len(traj.images) + len(new_images) > max_images)):
             traj.info["truncated"] = 1.0
@@ -190,7 +179,6 @@ def _no_images(images: Any) -> list:
 
 # ---------------------------------------------------------------- ChatAgent: the user owns the loop
 
-
 @dataclass
 class ChatContext:
     """What `ChatAgent.run` gets: where to send requests, and the dataset row."""
@@ -213,14 +201,13 @@ class ChatAgent(_Agent):
         raise NotImplementedError
 
 
-async def run_chat_agent(agent: ChatAgent, row: dict, generate: Generate, tokenizer, server: ChatServer, *,
+async def run_chat_agent(agent: ChatAgent, row: dict, generate: Generate, tokenizer, server: "ChatServer", *,
                          sampling: dict, max_len: int, image_tokens=None,
                          call: Call | None = None) -> list[Trajectory]:
     """Run one `agent.run` on `row` through a fresh session of `server` (started, in this
     event loop). Returns the rollout's segments, each carrying its reward, score and info.
     A row's images appear in `ctx.messages` as OpenAI `image_url` parts with data URIs."""
-    session = server.open_session(generate, tokenizer, sampling=sampling, max_len=max_len,
-                                  image_tokens=image_tokens)
+    session = server.open_session(generate, tokenizer, sampling=sampling, max_len=max_len, image_tokens=image_tokens)
     images = image_tokens.uris(row.get("images")) if image_tokens else _no_images(row.get("images"))
     messages, shown = with_images(prompt_messages(row["prompt"]), images), iter(images)
     messages = [{**m, "content": [{"type": "image_url", "image_url": {"url": next(shown)}}
@@ -228,8 +215,7 @@ async def run_chat_agent(agent: ChatAgent, row: dict, generate: Generate, tokeni
                 if isinstance(m["content"], list) else m for m in messages]
     ctx = ChatContext(base_url=session.base_url, anthropic_base_url=session.anthropic_base_url,
                       api_key=server.api_key, model_name=server.model_name, prompt=row["prompt"],
-                      messages=messages, label=row.get("label"), row=row,
-                      sampling_params=dict(sampling))
+                      messages=messages, label=row.get("label"), row=row, sampling_params=dict(sampling))
     try:
         result = await (call or _call_here)(agent.run, ctx)
     except Exception:
@@ -265,11 +251,11 @@ async def run_agent(cfg: dict, agent_cls: type, row: dict, generate, tokenizer, 
     images = vision.image_tokens(cfg["model"])  # None for a text model
     if issubclass(agent_cls, ChatAgent):
         run = run_chat_agent(agent_cls(), row, generate, tokenizer, server, sampling=sampling,
-                                    max_len=cfg["max_len"], image_tokens=images, call=call)
+                             max_len=cfg["max_len"], image_tokens=images, call=call)
     else:
         run = run_env(agent_cls(), row, generate, tokenizer, sampling=sampling, max_len=cfg["max_len"],
-                             max_turns=cfg["max_turns"], image_tokens=images,
-                             max_images=cfg["max_images_per_prompt"], call=call)
+                      max_turns=cfg["max_turns"], image_tokens=images, max_images=cfg["max_images_per_prompt"],
+                      call=call)
     result = await asyncio.wait_for(run, timeout=cfg["agent_timeout"])
     return result if isinstance(result, list) else [result]
 
@@ -283,8 +269,7 @@ def load_agent(path: str) -> type:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     found = [obj for obj in vars(module).values()
-             if inspect.isclass(obj) and issubclass(obj, (Env, ChatAgent))
-             and obj.__module__ == module.__name__]
+             if inspect.isclass(obj) and issubclass(obj, (Env, ChatAgent)) and obj.__module__ == module.__name__]
     if len(found) != 1:
         names = ", ".join(c.__name__ for c in found) or "none"
         raise ValueError(f"--agent {path}: expected exactly one Env subclass (or one ChatAgent "

@@ -1,7 +1,7 @@
 """Batch layout: trajectories -> [B, T] tensors -> each rank's micro-batches -> model inputs.
 
 `collate` pads token-exact trajectories (never re-tokenized) into tensors aligned to the
-predicted token; `split_balanced` / `split_rows` share rows among ranks by tokens; `plan` is a
+predicted token; `split_rows` shares rows among ranks by tokens; `plan` is a
 rank's micro-batches of one optimizer step (--micro_batch_size or --micro_batch_tokens);
 `layout` is one micro-batch's inputs, padded (CP chunks) or packed (--packing); `scatter` puts
 a micro-batch's outputs back on the [B, T] grid, differentiably. Pure functions of tensors:
@@ -9,15 +9,12 @@ a micro-batch's outputs back on the [B, T] grid, differentiably. Pure functions 
     python -m pytest -q tests/test_parallel.py -k "micro or pack or split"
 """
 
-from __future__ import annotations
-
 import torch
 
 def collate(trajectories: list[dict], pad_id: int, multiple: int = 1) -> dict[str, torch.Tensor]:
-    """Right-pad trajectories; every [B, T] tensor is aligned to *predicted*
-    tokens: position t holds token t+1 and what is known about it. T is rounded
-    up to a multiple of `multiple` (the CP degree). An optional "routing" field
-    ([len(tokens)][layers][k] expert ids recorded at sampling) becomes
+    """Right-pad trajectories; every [B, T] tensor is aligned to *predicted* tokens: position t holds
+    token t+1 and what is known about it. T is rounded up to a multiple of `multiple` (the CP degree).
+    An optional "routing" field ([len(tokens)][layers][k] expert ids recorded at sampling) becomes
     "routing" [B, T, layers, k], aligned to the input positions."""
     T = -(-(max(len(t["tokens"]) for t in trajectories) - 1) // multiple) * multiple + 1
 
@@ -46,12 +43,6 @@ def collate(trajectories: list[dict], pad_id: int, multiple: int = 1) -> dict[st
             routing[i, :len(r)] = r
         batch["routing"] = routing
     return batch
-
-
-def split_balanced(trajectories: list[dict], n: int) -> list[list[dict]]:
-    """Greedy split into n parts of near-equal token count (longest first)."""
-    lengths = torch.tensor([len(t["tokens"]) for t in trajectories])
-    return [[trajectories[i] for i in p.tolist()] for p in split_rows(torch.arange(len(trajectories)), lengths, n)]
 
 
 def split_rows(rows: torch.Tensor, cost: torch.Tensor, n: int) -> list[torch.Tensor]:
@@ -104,33 +95,28 @@ def layout(batch: dict, idx: torch.Tensor, packing: bool, cp: int, cp_rank: int,
     if packing:
         r = torch.arange(len(idx)).repeat_interleave(L)                        # [N] row of each token
         pos = torch.cat([torch.arange(int(l)) for l in L])                     # [N] reset per sample
-        rows_g = idx[r]
+        rows_g, grid = idx[r], (r, pos)                                        # grid: where outputs go
         seg_same = r[:, None] == r[None, :]
         attn = (seg_same & torch.ones(len(r), len(r), dtype=torch.bool).tril())[None, None]  # [1, 1, N, N]
-        inp = {"input_ids": batch["input_ids"][rows_g, pos][None], "position_ids": pos[None],
-               "attention_mask": attn}
+        inp = {"input_ids": batch["input_ids"][rows_g, pos][None], "position_ids": pos[None], "attention_mask": attn}
         tgt = batch["targets"][rows_g, pos][None]                              # [1, N]
         rep = routing[rows_g, pos] if routing is not None else None            # [N, layers, k]
-
-        def unpack(x):                                                         # [1, N] -> [b, T]
-            out = torch.zeros(len(idx), T, dtype=x.dtype)
-            out[r, pos] = x[0].cpu()
-            return out
         own = cols[None, :] < L[:, None]
     else:
         Tm = -(-int(L.max()) // cp) * cp
         c0, c1 = cp_rank * Tm // cp, (cp_rank + 1) * Tm // cp
+        grid = (slice(None), slice(c0, c1))
         inp = {"input_ids": batch["input_ids"][idx, c0:c1]}
         if cp > 1:
             inp["position_ids"] = torch.arange(c0, c1)[None].expand(len(idx), -1)
         tgt = batch["targets"][idx, c0:c1]
         rep = routing[idx, c0:c1].flatten(0, 1) if routing is not None else None
-
-        def unpack(x):                                                         # [b, c1-c0] -> [b, T]
-            out = torch.zeros(len(idx), T, dtype=x.dtype)
-            out[:, c0:c1] = x.cpu()
-            return out
         own = (cols[None, :] < L[:, None]) & (cols >= c0) & (cols < c1)
+
+    def unpack(x):                                                             # [1, N] or [b, c1-c0] -> [b, T]
+        out = torch.zeros(len(idx), T, dtype=x.dtype)
+        out[grid] = (x[0] if packing else x).cpu()
+        return out
     return {"inputs": inp, "targets": tgt, "unpack": unpack, "own": own, "replay": rep}
 
 

@@ -7,8 +7,6 @@
     python -m pytest -q tests/test_parallel.py -k checkpoint
 """
 
-from __future__ import annotations
-
 import torch
 
 import parallel
@@ -31,10 +29,7 @@ class Checkpoints:
         return state, dicts
 
     def save_checkpoint(self, path: str) -> str:
-        """Model, optimizer, critic (+ its optimizer) and version with torch.distributed.checkpoint:
-        every rank writes its own shards (all ranks must call it). The checkpoint does not depend
-        on the layout: DTensors reshard on load, MoE experts are stored one per expert, so it
-        resumes under other --train_workers / --tp_size / --ep_size."""
+        """Model, optimizer, critic (+ its optimizer) and version; every rank writes its own shards (all call it)."""
         import torch.distributed.checkpoint as dcp
         dcp.save(self.checkpoint_state()[0], checkpoint_id=path)
         return path
@@ -59,28 +54,24 @@ OPTIM_KEY = {"model": "optim", "critic": "critic_optim"}
 EXPERT_PARAMS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")  # fused [E, ...] (transformers 5)
 
 
-def expert_rows(v: torch.Tensor, dims: parallel.ParallelDims) -> tuple[torch.Tensor, int]:
-    """This rank's rows of a fused expert tensor and the global id of its first row. FSDP shards
-    dim 0 (whole experts; torch.chunk sizes); under EP the tensor is this EP rank's E/ep block."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    first = dims.ep_mesh["ep"].get_local_rank() * v.shape[0] if dims.ep > 1 else 0
-    if isinstance(v, DTensor):
-        if not all(p == Shard(0) or isinstance(p, Replicate) for p in v.placements):
-            raise ValueError(f"expert weights sharded as {v.placements}: checkpoints expect whole experts per rank")
-        _, offset = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
-        first, v = first + offset[0], v.to_local()
-    return v, first
-
-
 def split_experts(sd: dict, dims: parallel.ParallelDims) -> dict:
     """A model or optimizer state dict with each fused expert tensor replaced by one entry per
     expert, named by its global id ("...mlp.experts.down_proj[3]"): the same keys and shapes
     whatever --ep_size / --train_workers split the experts, so DCP reloads them under any layout
     (the other weights are DTensors, which DCP reshards). Entries are views of the local rows."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     def split(key: str, v: torch.Tensor) -> dict:
-        rows, first = expert_rows(v, dims)
-        return {f"{key}[{first + j}]": rows[j] for j in range(rows.shape[0])}
+        # This rank's rows by their global ids. FSDP shards dim 0 (whole experts; torch.chunk sizes);
+        # under EP the tensor is this EP rank's E/ep block.
+        first = dims.ep_mesh["ep"].get_local_rank() * v.shape[0] if dims.ep > 1 else 0
+        if isinstance(v, DTensor):
+            if not all(p == Shard(0) or isinstance(p, Replicate) for p in v.placements):
+                raise ValueError(f"expert weights sharded as {v.placements}: checkpoints expect whole experts per rank")
+            _, offset = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
+            first, v = first + offset[0], v.to_local()
+        return {f"{key}[{first + j}]": v[j] for j in range(v.shape[0])}
 
     if "state" in sd and "param_groups" in sd:  # an optimizer state dict: split each state tensor alike
         state = {}
@@ -93,7 +84,5 @@ def split_experts(sd: dict, dims: parallel.ParallelDims) -> dict:
             for e in ids:   # scalar entries ("step") are shared by the experts of one tensor
                 state[e] = {n: p[e] if isinstance(p, dict) else p for n, p in parts.items()}
         return {"state": state, "param_groups": sd["param_groups"]}
-    out = {}
-    for key, v in sd.items():
-        out.update(split(key, v) if key.endswith(EXPERT_PARAMS) else {key: v})
-    return out
+    return {name: t for key, v in sd.items()
+            for name, t in (split(key, v) if key.endswith(EXPERT_PARAMS) else {key: v}).items()}

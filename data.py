@@ -7,9 +7,8 @@ list of chat messages ({"role", "content"}); `label` is whatever the agent grade
     --dataset reasoning-gym:basic_arithmetic
     --dataset reasoning-gym:basic_arithmetic:max_terms=2,max_digits=1    # task config
 
-Files are read whole and checked row by row: a bad row raises ONE ValueError naming the file, the
-line (JSONL, CSV) or row (JSON, Parquet, folder) and the missing or bad field. main.validate calls
-`load_rows` before anything starts.
+Files are read whole and checked row by row: a bad row raises ONE ValueError naming the file, the line (JSONL, CSV)
+or row (JSON, Parquet, folder) and the missing or bad field. main.validate calls `load_rows` before anything starts.
 
 reasoning-gym rows are generated offline, an endless stream (a new seed per epoch); each carries
 what an agent needs to grade: `row["task"]` and `row["entry"]` (the reasoning-gym item), so
@@ -21,8 +20,7 @@ any `.gguf` file into a normal safetensors folder, once, under the cache dir (`c
     python -c "import data; print(data.resolve_model('smollm2'))"
 """
 
-from __future__ import annotations
-
+import contextlib
 import csv
 import hashlib
 import importlib.util
@@ -47,16 +45,16 @@ def need_package(module: str, pip: str, what: str):
 
 def _check_message(msgs: Any, where: str, key: str) -> None:
     for i, m in enumerate(msgs):
+        at = f"{where}: field {key!r}: message {i}"
         if not isinstance(m, dict):
-            raise ValueError(f"{where}: field {key!r}: message {i} is not an object {{role, content}}")
+            raise ValueError(f"{at} is not an object {{role, content}}")
         if not isinstance(m.get("role"), str):
-            raise ValueError(f"{where}: field {key!r}: message {i} has no string 'role'")
+            raise ValueError(f"{at} has no string 'role'")
         content = m.get("content")
         parts_ok = isinstance(content, list) and all(
             isinstance(p, dict) and p.get("type") in ("text", "image", "image_url") for p in content)
         if not isinstance(content, str) and not parts_ok:
-            raise ValueError(f"{where}: field {key!r}: message {i} needs a string 'content' or a list of "
-                             "text/image parts")
+            raise ValueError(f"{at} needs a string 'content' or a list of text/image parts")
 
 
 def _images(raw: dict, where: str, image_key: str, max_images: int | None) -> list:
@@ -89,10 +87,8 @@ def make_row(raw: Any, where: str, input_key: str, label_key: str, image_key: st
     if hasattr(prompt, "tolist"):          # numpy arrays from Parquet / datasets
         prompt = prompt.tolist()
     if isinstance(prompt, str) and prompt.lstrip().startswith("[{"):
-        try:                                # chat messages written as JSON text (CSV cells)
+        with contextlib.suppress(json.JSONDecodeError):   # chat messages written as JSON text (CSV cells)
             prompt = json.loads(prompt)
-        except json.JSONDecodeError:
-            pass
     if isinstance(prompt, list):
         if not prompt:
             raise ValueError(f"{where}: field {input_key!r} is an empty list of messages")
@@ -305,7 +301,6 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     the quantization config) gets the dequantized state dict and is saved instead."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     kw = {"gguf_file": gguf.name}
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kw)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
@@ -342,8 +337,7 @@ def check_prompts_fit(tokenizer, rows: list[dict], max_len: int, where: str, ima
     for i, row in enumerate(rows):
         images = image_tokens.uris(row.get("images")) if image_tokens else []
         msgs = trajectory.with_images(trajectory.prompt_messages(row["prompt"]), images)
-        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-        n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        n = len(trajectory.encode(tokenizer, trajectory.render(tokenizer, msgs, True)))   # as run_env encodes it
         n += sum(image_tokens.counts(images)) - len(images) if images else 0
         if n >= max_len:
             raise ValueError(f"--max_len {max_len} is too small: prompt {i} of {where} is {n} tokens with "

@@ -5,14 +5,12 @@ Every estimator has the same signature
     advantages, returns = fn(rewards, mask, groups, *, kl=None, values=None,
                              gamma=1.0, lam=1.0, kl_coef=0.0, rollout_ids=None)
 
-rewards [B]; mask [B, T] (1 on the policy's own action tokens, gaps allowed for
-multi-turn observations); groups [B] (rows of one prompt share an id);
-rollout_ids [B] or None (segments of one rollout share an id and a reward, and
-group baselines count each rollout once); kl [B, T] = log pi - log pi_ref;
-values [B, T] critic values. Both outputs are float32 [B, T], zero off the mask.
-Token-level recursions (discounting, GAE) run per row over action tokens only:
-non-action tokens are transparent. A segment is treated as its own trajectory
-whose reward sits on its last action token.
+rewards [B]; mask [B, T] (1 on the policy's own action tokens, gaps allowed for multi-turn observations);
+groups [B] (rows of one prompt share an id); rollout_ids [B] or None (segments of one rollout share an id and a
+reward, and group baselines count each rollout once); kl [B, T] = log pi - log pi_ref; values [B, T] critic
+values. Both outputs are float32 [B, T], zero off the mask. Token-level recursions (discounting, GAE) run per row
+over action tokens only: non-action tokens are transparent. A segment is treated as its own trajectory whose
+reward sits on its last action token.
 
 To add an estimator: AGENTS.md, "Add an estimator" (a function and its `Spec` in ESTIMATORS).
 
@@ -61,8 +59,7 @@ def _last_action(mask: Tensor) -> Tensor:
     """[B, T] one-hot of each row's last action token (all zero for rows without one)."""
     m = mask.bool()
     last = m.shape[1] - 1 - m.flip(1).int().argmax(1)  # [B]
-    onehot = torch.zeros(m.shape, device=m.device).scatter_(1, last[:, None], 1.0)
-    return onehot * m.any(1, keepdim=True)
+    return torch.zeros(m.shape, device=m.device).scatter_(1, last[:, None], 1.0) * m.any(1, keepdim=True)
 
 
 def _token_rewards(name: str, seq_reward: Tensor, mask: Tensor, kl: OptT, kl_coef: float) -> Tensor:
@@ -172,9 +169,8 @@ def on_policy_distill(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: OptT
 
 @dataclass(frozen=True)
 class Spec:
-    """An estimator and what the rest of the code needs to know about it (main.validate
-    refuses flags by these, the trainer builds a critic or a teacher by them). Calling a Spec
-    calls its function."""
+    """An estimator and what the rest of the code needs to know about it (main.validate refuses flags by these,
+    the trainer builds a critic or a teacher by them). Calling a Spec calls its function."""
     fn: Callable[..., Pair]
     group: bool = False                    # compares rollouts of one prompt: needs --samples_per_prompt >= 2
     no_kl_in_reward: Optional[str] = None  # why a KL penalty in the reward is refused (kl_coef must be 0)

@@ -3,9 +3,8 @@
 steps; `python main.py --eval_only` runs it once on a run's weights.
 """
 
-from __future__ import annotations
-
 import asyncio
+import contextlib
 import itertools
 
 import agent as agents
@@ -20,14 +19,12 @@ async def evaluate(cfg: dict, client, agent_cls: type, tokenizer, rows: list[dic
     Result.info key (a failed rollout counts 0) on held-out rows."""
     k = cfg["eval_samples"]
     sampling = {"temperature": cfg["eval_temperature"], "max_tokens": cfg["max_new_tokens"]}
-    own_threads = threads is None
-    threads = threads or faults.AgentThreads()
 
     async def one(row):
         thread = threads.take()
         try:
             traj = (await agents.run_agent(cfg, agent_cls, row, client.session(), tokenizer, server, sampling,
-                                    thread.call))[0]
+                                           thread.call))[0]
             return traj.reward, traj.info
         except Exception as e:  # an eval rollout that fails scores 0, like a wrong answer
             if client.is_engine_error(e):
@@ -36,17 +33,15 @@ async def evaluate(cfg: dict, client, agent_cls: type, tokenizer, rows: list[dic
         finally:
             threads.give_back(thread)
 
-    own_server = server is None and issubclass(agent_cls, agents.ChatAgent)
-    if own_server:  # --eval_only: no training loop has started one
-        server = ChatServer(tool_parser=cfg["tool_parser"], reasoning_parser=cfg["reasoning_parser"])
-        await server.start()
-    try:
+    async with contextlib.AsyncExitStack() as started:   # what this call starts, it stops
+        if threads is None:
+            threads = faults.AgentThreads()
+            started.callback(threads.close)
+        if server is None and issubclass(agent_cls, agents.ChatAgent):  # --eval_only: no loop has started one
+            server = ChatServer(tool_parser=cfg["tool_parser"], reasoning_parser=cfg["reasoning_parser"])
+            await server.start()
+            started.push_async_callback(server.stop)
         results = await asyncio.gather(*[one(r) for r in rows for _ in range(k)])
-    finally:
-        if own_server:
-            await server.stop()
-        if own_threads:
-            threads.close()
     rewards = [reward for reward, _ in results]
     by_row = [rewards[i * k:(i + 1) * k] for i in range(len(rows))]
     keys = sorted({key for _, info in results for key in info})

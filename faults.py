@@ -21,10 +21,9 @@ Never hang (the loop's agents):
     that has not run for BLOCKED_S seconds is reported once with its thread's stack.
 """
 
-from __future__ import annotations
-
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import secrets
@@ -47,7 +46,6 @@ STALLED_S = 2.0       # a loop that has not ticked (every 0.5 s) for this long g
 
 
 # ---------------------------------------------------------------- stopping
-
 
 class Stopped(KeyboardInterrupt):
     """SIGINT or SIGTERM reached the driver. A KeyboardInterrupt, so that agent code's
@@ -99,23 +97,13 @@ def catch_stop_signals() -> dict | None:
     return old
 
 
-def restore_signals(old: dict | None):
-    for s, handler in (old or {}).items():
-        signal.signal(s, handler)
-
-
-def tagged_pids(value: str, key: str = TAG) -> list[int]:
-    """Pids of live processes whose (initial) environment holds key=value."""
-    needle = f"{key}={value}".encode()
-    found = []
+def tagged_pids(value: str) -> list[int]:
+    """Pids of live processes whose (initial) environment holds TAG=value."""
+    needle, found = f"{TAG}={value}".encode(), []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
+        with contextlib.suppress(OSError):  # gone, a zombie, or not ours to read
+            if entry.name.isdigit() and needle in (entry / "environ").read_bytes().split(b"\0"):
                 found.append(int(entry.name))
-        except OSError:  # gone, a zombie, or not ours to read
-            continue
     return found
 
 
@@ -125,21 +113,18 @@ def _still_running(known: dict[int, float] | None) -> list[int]:
     import psutil
     alive = []
     for pid, created in list((known or {}).items()):
-        try:
+        with contextlib.suppress(psutil.Error):
             p = psutil.Process(pid)
             if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
                 alive.append(pid)
                 known.update({c.pid: c.create_time() for c in p.children(recursive=True)})
-        except psutil.Error:
-            pass
     return alive
 
 
 def reap(run_id: str, exclude: set[int], grace_s: float = 3.0, limit_s: float = 15.0,
          known: dict[int, float] | None = None) -> list[int]:
-    """SIGTERM every process tagged with `run_id` or in `known` (but `exclude`), SIGKILL those
-    still there after `grace_s`; repeat until none is left or `limit_s` passed. Returns the
-    pids signalled."""
+    """SIGTERM every process tagged with `run_id` or in `known` (but `exclude`), SIGKILL those still there after
+    `grace_s`; repeat until none is left or `limit_s` passed. Returns the pids signalled."""
     signalled: set[int] = set()
     start = time.monotonic()
     while time.monotonic() - start < limit_s:
@@ -148,10 +133,8 @@ def reap(run_id: str, exclude: set[int], grace_s: float = 3.0, limit_s: float = 
             break
         late = time.monotonic() - start > grace_s
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL if late or pid in signalled else signal.SIGTERM)
-            except ProcessLookupError:
-                pass
         signalled.update(pids)
         time.sleep(0.2 if late else 0.5)
     return sorted(signalled)
@@ -162,7 +145,6 @@ class RunGuard:
 
     def __init__(self):
         self.run_id = f"{os.getpid()}-{secrets.token_hex(4)}"
-        self.reaper: subprocess.Popen | None = None
 
     def __enter__(self) -> "RunGuard":
         self.previous = os.environ.get(TAG)
@@ -174,13 +156,12 @@ class RunGuard:
 
     def __exit__(self, *exc):
         reap(self.run_id, exclude={os.getpid()})
-        if self.reaper is not None:
-            self.reaper.stdin.write(b"x")  # a clean end; a killed driver's pipe just closes
-            self.reaper.stdin.close()
-            try:
-                self.reaper.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.reaper.kill()
+        self.reaper.stdin.write(b"x")  # a clean end; a killed driver's pipe just closes
+        self.reaper.stdin.close()
+        try:
+            self.reaper.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.reaper.kill()
         if self.previous is None:
             os.environ.pop(TAG, None)
         else:
@@ -214,7 +195,8 @@ def guarded(out: Path, run: Callable[[], Any]) -> Any:
         raise stopped from None
     finally:
         logs.remove_interrupted_checkpoints(out)
-        restore_signals(old_signals)
+        for s, handler in (old_signals or {}).items():
+            signal.signal(s, handler)
 
 
 def reaper_main(run_id: str, driver: int):
@@ -227,10 +209,8 @@ def reaper_main(run_id: str, driver: int):
     known: dict[int, float] = {}
     died = True
     while os.getppid() == driver:
-        try:
+        with contextlib.suppress(psutil.Error):
             known.update({p.pid: p.create_time() for p in psutil.Process(driver).children(recursive=True)})
-        except psutil.Error:
-            pass
         ready, _, _ = select.select([sys.stdin], [], [], 1.0)
         if ready:
             # a clean end: the driver reaped its own run (its other children are not ours)
@@ -241,17 +221,11 @@ def reaper_main(run_id: str, driver: int):
 
 # ---------------------------------------------------------------- never hang
 
-
-def _settle(future: asyncio.Future, kind: str, value: Any = None):
-    """Give `future` (the caller's) an outcome from another loop: "result", "exception" or "cancelled"."""
-    if future.done():
-        return
-    if kind == "cancelled":
-        future.cancel()
-    elif kind == "exception":
-        future.set_exception(value)
-    else:
-        future.set_result(value)
+def _settle(future: asyncio.Future, how: str, *value):
+    """Give `future` (the caller's) an outcome from another loop, unless it has one: `how` is its
+    method, "set_result", "set_exception" or "cancel"."""
+    if not future.done():
+        getattr(future, how)(*value)
 
 
 class Mailbox:
@@ -279,10 +253,7 @@ _mailboxes: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox]" = we
 
 
 def mailbox(loop: asyncio.AbstractEventLoop) -> Mailbox:
-    box = _mailboxes.get(loop)
-    if box is None:
-        box = _mailboxes[loop] = Mailbox(loop)
-    return box
+    return _mailboxes.setdefault(loop, Mailbox(loop))
 
 
 class AgentThread:
@@ -335,18 +306,18 @@ class AgentThread:
                 out = fn(*args)
                 out = await out if asyncio.iscoroutine(out) or isinstance(out, asyncio.Future) else out
             except asyncio.CancelledError:
-                back.post(_settle, future, "cancelled")
+                back.post(_settle, future, "cancel")
                 raise
             except BaseException as e:
-                back.post(_settle, future, "exception", e)
+                back.post(_settle, future, "set_exception", e)
                 if not isinstance(e, Exception):
                     raise
             else:
-                back.post(_settle, future, "result", out)
+                back.post(_settle, future, "set_result", out)
         task = self.tasks[future] = self.loop.create_task(run())
         # cancelled before it started, `run` never ran: say so
         task.add_done_callback(lambda t: (self.tasks.pop(future, None),
-                                          t.cancelled() and back.post(_settle, future, "cancelled")))
+                                          t.cancelled() and back.post(_settle, future, "cancel")))
 
     def _cancel(self, future: asyncio.Future):
         task = self.tasks.pop(future, None)
@@ -388,8 +359,7 @@ class AgentThreads:
 
 
 class Watchdog:
-    """A thread that reports an event loop (the driver's, or an agent thread's) that has not
-    run for BLOCKED_S seconds, once per blocked stretch, with the blocked thread's stack."""
+    """A thread that reports a stalled event loop, the driver's or an agent thread's (see the module docstring)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, agents: AgentThreads | None = None):
         self.loop, self.agents = loop, agents
@@ -412,25 +382,23 @@ class Watchdog:
         if not self.stop.is_set():
             self.loop.call_later(0.5, self._beat)
 
-    def _report(self, what: str, seconds: float, ident: int | None):
-        frame = sys._current_frames().get(ident)
-        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)\n"
-        text = f"{what} has not run for {seconds:.0f}s (blocking code on it?); it is at:\n{stack}"
-        self.reports.append(text)
-        log.warning("%s", text)
+    def _report(self, what: str, seconds: float, ident: int | None, reported: bool) -> bool:
+        """Report `what` (with its thread's stack) once per blocked stretch; returns whether it is blocked."""
+        if seconds >= BLOCKED_S and not reported:
+            frame = sys._current_frames().get(ident)
+            stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)\n"
+            text = f"{what} has not run for {seconds:.0f}s (blocking code on it?); it is at:\n{stack}"
+            self.reports.append(text)
+            log.warning("%s", text)
+        return seconds >= BLOCKED_S
 
     def _watch(self):
         main_reported = False
         while not self.stop.wait(min(1.0, BLOCKED_S / 4)):
-            silent = time.monotonic() - self.tick
-            if silent >= BLOCKED_S and not main_reported:
-                self._report("the driver's event loop (rollouts, engine calls, training)", silent, self.main_ident)
-            main_reported = silent >= BLOCKED_S
+            main_reported = self._report("the driver's event loop (rollouts, engine calls, training)",
+                                         time.monotonic() - self.tick, self.main_ident, main_reported)
             for t in list(self.agents.threads) if self.agents else []:
-                silent = t.blocked_for()
-                if silent >= BLOCKED_S and not t.reported:
-                    self._report(f"agent thread {t.thread.name}", silent, t.thread.ident)
-                t.reported = silent >= BLOCKED_S
+                t.reported = self._report(f"agent thread {t.thread.name}", t.blocked_for(), t.thread.ident, t.reported)
 
 
 if __name__ == "__main__":

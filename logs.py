@@ -5,10 +5,9 @@
     sink.close()
     plot(["runs/a", "runs/b"], "compare.png")    # reward, length, KL/mismatch, step time
 
-and what the loop reports: `batch_metrics` (reward, lengths, info of a step's rollouts), the
-progress bar, the end-of-run `summarize`; and a run's records as a whole (`earlier_records`:
-what a fresh run refuses to overwrite without --overwrite; `complete_checkpoints`: the
-checkpoints that --resume may use).
+and what the loop reports: `batch_metrics` (reward, lengths, info of a step's rollouts), the progress bar, the
+end-of-run `summarize`; and a run's records as a whole (`earlier_records`: what a fresh run refuses to overwrite
+without --overwrite; `complete_checkpoints`: the checkpoints that --resume may use).
 
 The run's flags (config.json in the run folder, written by launch.run) are also recorded in
 each backend: TensorBoard hparams + a "config" text, W&B config, MLflow params. W&B runs
@@ -18,24 +17,12 @@ MLflow writes to a local store (`mlflow ui --backend-store-uri RUN_DIR/mlruns`) 
     python plot.py runs/latest runs/other -o compare.png
 """
 
-from __future__ import annotations
-
 import json
 import math
 import os
 import shutil
 import sys
 from pathlib import Path
-
-
-def _numbers(metrics: dict) -> dict[str, float]:
-    return {k: float(v) for k, v in metrics.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
-
-
-def _flat_config(cfg: dict) -> dict[str, str | int | float | bool]:
-    """Flags as scalars: lists and None become text (what hparams/params accept)."""
-    return {k: v if isinstance(v, (int, float, bool, str)) else json.dumps(v, default=str) for k, v in cfg.items()}
 
 
 class Sinks:
@@ -49,7 +36,8 @@ class Sinks:
         self.tb = self.wandb = self.mlflow = None
         backends = cfg.get("logger") or []
         name = cfg.get("run_name") or self.out.resolve().name
-        flat = _flat_config(cfg)
+        # the flags as scalars: lists and None become text (what hparams/params accept)
+        flat = {k: v if isinstance(v, (int, float, bool, str)) else json.dumps(v, default=str) for k, v in cfg.items()}
         if "tensorboard" in backends:
             from torch.utils.tensorboard import SummaryWriter
             from torch.utils.tensorboard.summary import hparams
@@ -79,7 +67,8 @@ class Sinks:
         self.jsonl.write(json.dumps(metrics) + "\n")
         self.jsonl.flush()
         step = int(metrics.get("step", 0))
-        nums = _numbers(metrics)
+        nums = {k: float(v) for k, v in metrics.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
         if self.tb is not None:
             for k, v in nums.items():
                 self.tb.add_scalar(k, v, step)
@@ -109,24 +98,18 @@ PANELS = [  # (title, metric names tried in order: the first present is drawn)
 ]
 
 
-def read_metrics(run: str | Path) -> list[dict]:
-    path = Path(run)
-    path = path / "metrics.jsonl" if path.is_dir() else path
-    if not path.is_file():
-        raise ValueError(f"{run}: no metrics.jsonl")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def plot(runs: list[str | Path], out: str | Path) -> str:
     """One PNG: a 2x2 grid of reward, response length, KL/mismatch and step time over steps,
     every run overlaid (labelled by its folder name)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), squeeze=False)
     for run in runs:
-        rows = read_metrics(run)
+        path = Path(run) / "metrics.jsonl" if Path(run).is_dir() else Path(run)
+        if not path.is_file():
+            raise ValueError(f"{run}: no metrics.jsonl")
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         label = Path(run).resolve().name if Path(run).is_dir() else Path(run).resolve().parent.name
         for ax, (title, keys) in zip(axes.flat, PANELS):
             key = next((k for k in keys if any(k in r for r in rows)), None)

@@ -1,12 +1,10 @@
-"""Per-token RL losses and their pieces: policy losses (PPO / GSPO / CISPO), loss
-aggregation that is invariant to micro-batching and data parallelism, train/rollout
-importance-sampling correction, KL estimators, entropy, clipped value loss and
-token log-probabilities from logits.
+"""Per-token RL losses and their pieces: policy losses (PPO / GSPO / CISPO), loss aggregation that is invariant
+to micro-batching and data parallelism, train/rollout importance-sampling correction, KL estimators, entropy,
+clipped value loss and token log-probabilities from logits.
 
-Conventions: tensors are [B, T] with `mask` 1 on the policy's action tokens;
-per-token outputs are exactly 0 (value and gradient) where mask == 0. Log-ratios
-are clamped to [-MAX_LOG_RATIO, MAX_LOG_RATIO] before exp. Metrics are detached
-0-dim tensors (masked means over action tokens).
+Conventions: tensors are [B, T] with `mask` 1 on the policy's action tokens; per-token outputs are exactly 0
+(value and gradient) where mask == 0. Log-ratios are clamped to [-MAX_LOG_RATIO, MAX_LOG_RATIO] before exp.
+Metrics are detached 0-dim tensors (masked means over action tokens).
 
 To add a policy loss: AGENTS.md, "Add a loss" (a function and its `PolicyLoss` in POLICY_LOSSES).
 
@@ -102,10 +100,9 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {
 def policy_loss(kind: str, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
                 eps_low: Optional[float] = 0.2, eps_high: float = 0.2,
                 dual_clip: Optional[float] = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """Per-token policy loss [B, T] (minimise it) and metrics; `kind` names an entry of
-    POLICY_LOSSES (ppo, gspo, cispo: see their functions). The ratio's band is
-    [1 - eps_low, 1 + eps_high]; eps_low=None (only for a loss whose default has no lower
-    bound) leaves the lower bound out."""
+    """Per-token policy loss [B, T] (minimise it) and metrics; `kind` names an entry of POLICY_LOSSES (ppo,
+    gspo, cispo: see their functions). The ratio's band is [1 - eps_low, 1 + eps_high]; eps_low=None (only for a
+    loss whose default has no lower bound) leaves the lower bound out."""
     if kind not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {kind!r}; choices: {tuple(POLICY_LOSSES)}")
     spec = POLICY_LOSSES[kind]
@@ -122,25 +119,21 @@ def policy_loss(kind: str, logprobs: Tensor, old_logprobs: Tensor, advantages: T
     tok_ratio = torch.exp(tok_lr)  # [B, T] detached per-token ratio
     lo, hi = (0.0 if eps_low is None else 1.0 - eps_low), 1.0 + eps_high
     loss, ratio, clipped = spec.fn(log_ratio, logprobs, A, m, lo, hi, dual_clip)
-    loss = torch.where(m, loss, 0)
-    metrics = {
+    return torch.where(m, loss, 0), {
         "clip_frac": _mean(clipped.float(), m),
         "ratio_mean": _mean(ratio, m),
         # k3 estimate of KL(old || new) from samples of old: (r - 1) - log r, per token.
         "approx_kl": _mean(tok_ratio - 1 - tok_lr, m),
     }
-    return loss, metrics
 
 
 def aggregate(per_token_loss: Tensor, mask: Tensor, mode: str = "token_mean",
               num_tokens: Count = None, num_seqs: Count = None) -> Tensor:
     """Reduce a [B, T] per-token loss to a scalar. See LOSS_AGGS.
 
-    Pass num_tokens / num_seqs = action-token / row count of the WHOLE optimizer step
-    (all micro-batches, all data-parallel ranks): then summing the gradients over
-    micro-batches and ranks (all_reduce SUM, not mean) gives the same step however
-    the batch is split. Defaults are this batch's counts.
-    """
+    Pass num_tokens / num_seqs = action-token / row count of the WHOLE optimizer step (all micro-batches,
+    all data-parallel ranks): then summing the gradients over micro-batches and ranks (all_reduce SUM,
+    not mean) gives the same step however the batch is split. Defaults are this batch's counts."""
     m = mask.bool()
     loss = torch.where(m, per_token_loss, 0)  # [B, T]
     if mode == "token_mean":
@@ -160,10 +153,9 @@ def is_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, *,
     the README's IS table (off: weights = mask). ratio = exp(old_logprobs - rollout_logprobs), trainer
     over sampler. is_filtered_frac: the share of action tokens whose weight is not their ratio
     (zeroed by the gate, or bounded)."""
-    if level not in IS_LEVELS:
-        raise ValueError(f"unknown IS level {level!r}; choices: {IS_LEVELS}")
-    if mode not in IS_MODES:
-        raise ValueError(f"unknown IS mode {mode!r}; choices: {IS_MODES}")
+    for name, value, choices in (("level", level, IS_LEVELS), ("mode", mode, IS_MODES)):
+        if value not in choices:
+            raise ValueError(f"unknown IS {name} {value!r}; choices: {choices}")
     if level in ("seq", "geo") and mode not in ("mask", "reject"):
         raise ValueError(f"IS level {level!r} gates whole sequences and needs mode 'mask' or 'reject', got {mode!r}")
     if not (0.0 <= low <= high and high > 0.0):
@@ -193,22 +185,20 @@ def is_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, *,
         else:
             w, filtered = accept.float(), ~accept
     w = torch.where(m, w, 0)
-    metrics = {
+    return w, {
         "is_filtered_frac": _mean(filtered.float(), m),
         # k3 estimate of KL(rollout || trainer) with samples from the rollout policy.
         "mismatch_k3": _mean(ratio - 1 - log_r, m),
         "mismatch_abs": _mean(log_r.abs(), m),
         "is_weight_mean": _mean(w, m),
     }
-    return w, metrics
 
 
 def kl(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
     """Per-token estimate of KL(pi || ref) from samples of pi. [B, T], not masked.
 
     k1 = logp - ref (unbiased, can be negative), k2 = 0.5 (logp - ref)^2,
-    k3 = exp(ref - logp) - (ref - logp) - 1 (unbiased, >= 0).
-    """
+    k3 = exp(ref - logp) - (ref - logp) - 1 (unbiased, >= 0)."""
     d = logprobs.float() - ref_logprobs.float()  # [B, T]
     if estimator == "k1":
         return d
@@ -242,8 +232,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
 def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
     """log_softmax(logits / temperature) at `tokens`, in float32: [B, T] from [B, T, V] logits.
 
-    Matches vLLM's processed logprobs. Uses gather - logsumexp so no full log_softmax is kept.
-    """
+    Matches vLLM's processed logprobs. Uses gather - logsumexp so no full log_softmax is kept."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     z = logits.float()

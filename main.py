@@ -9,8 +9,6 @@ Flags are grouped by concept; `validate` refuses bad values and unsound
 combinations before Ray, the engine or the trainer start.
 """
 
-from __future__ import annotations
-
 import argparse
 import importlib
 import os
@@ -261,23 +259,25 @@ def validate(cfg: dict) -> dict:
          f"--is_level {cfg['is_level']} gates whole sequences and needs --is_mode mask or reject")
     for k in ("steps", "prompts_per_step", "samples_per_prompt", "max_new_tokens", "max_len", "micro_batch_size",
               "mini_batches", "ppo_epochs", "train_workers", "tp_size", "cp_size", "ep_size", "num_engines",
-              "engine_tp_size", "engine_dp_size", "spec_tokens", "sync_bucket_mb", "engine_max_seqs"):
-        need(cfg[k] >= 1, f"--{k} must be >= 1, got {cfg[k]}")
+              "engine_tp_size", "engine_dp_size", "spec_tokens", "sync_bucket_mb", "engine_max_seqs",
+              "train_threads", "engine_threads"):   # the last two: None for a default said at start-up
+        need(cfg[k] is None or cfg[k] >= 1, f"--{k} must be >= 1, got {cfg[k]}")
+    need(cfg["async_depth"] >= 0, f"--async_depth must be >= 0, got {cfg['async_depth']}")
+    for k, op, bound in (("kl_coef", ">=", 0), ("reward_clip", ">", 0), ("lr", ">", 0), ("agent_timeout", ">", 0),
+                         ("dual_clip", ">", 1), ("eval_every", ">=", 0), ("save_every", ">=", 0),
+                         ("eval_temperature", ">=", 0), ("keep_checkpoints", ">=", 1), ("max_failed_groups", ">=", 1),
+                         ("micro_batch_tokens", ">=", 1), ("max_images_per_prompt", ">=", 1)):   # None: not set
+        need(cfg[k] is None or (cfg[k] > bound if op == ">" else cfg[k] >= bound), f"--{k} must be {op} {bound}")
     need(cfg["mini_batches"] <= cfg["prompts_per_step"] * cfg["samples_per_prompt"],
          "--mini_batches cannot exceed the rollouts per step (prompts_per_step * samples_per_prompt)")
-    need(cfg["async_depth"] >= 0, f"--async_depth must be >= 0, got {cfg['async_depth']}")
-    for k in ("train_threads", "engine_threads"):
-        need(cfg[k] is None or cfg[k] >= 1, f"--{k} must be >= 1, got {cfg[k]}")
     # What an estimator or a loss needs, refuses and defaults to is declared in its entry
     # (estimators.ESTIMATORS, losses.POLICY_LOSSES); the checks below read the entries.
     est, loss = estimators.ESTIMATORS[cfg["estimator"]], losses.POLICY_LOSSES[cfg["loss"]]
     need(not est.group or cfg["samples_per_prompt"] > 1,
          f"--estimator {cfg['estimator']} compares rollouts of the same prompt and needs --samples_per_prompt >= 2")
     cfg["loss_agg"] = cfg["loss_agg"] or loss.loss_agg
-    need(cfg["loss_agg"] in losses.LOSS_AGGS, f"--loss_agg {cfg['loss_agg']!r} is unknown; choose from {', '.join(losses.LOSS_AGGS)}")
-    need(cfg["kl_estimator"] in (None, *losses.KL_ESTIMATORS),
-         f"--kl_estimator {cfg['kl_estimator']!r} is unknown; choose from {', '.join(losses.KL_ESTIMATORS)}")
-    need(cfg["kl_coef"] >= 0, "--kl_coef must be >= 0")
+    for k, choices in (("loss_agg", losses.LOSS_AGGS), ("kl_estimator", losses.KL_ESTIMATORS)):
+        need(cfg[k] in (None, *choices), f"--{k} {cfg[k]!r} is unknown; choose from {', '.join(choices)}")
     need(not (cfg["kl_loss"] and cfg["kl_in_reward"]), "choose one of --kl_loss and --kl_in_reward, not both")
     if est.teacher:
         need(cfg["ref_model"] is not None and cfg["kl_coef"] > 0,
@@ -302,16 +302,12 @@ def validate(cfg: dict) -> dict:
                "as a loss the gradient is grad E[k]: k1's is zero, k2's is grad KL(pi||ref), k3's grad KL(ref||pi)")
         need(cfg["kl_estimator"] in sound, f"--kl_estimator {cfg['kl_estimator']} with --kl_{'in_reward' if where == 'reward' else 'loss'}: "
              f"{why}; use {' or '.join(sound)}")
-    need(cfg["reward_clip"] is None or cfg["reward_clip"] > 0, "--reward_clip must be > 0")
     need(est.critic or (cfg["critic_model"] is None and cfg["critic_lr"] is None),
          "--critic_model/--critic_lr only apply to an estimator with a critic (--estimator "
          f"{' or '.join(n for n, s in estimators.ESTIMATORS.items() if s.critic)})")
     need(cfg["temperature"] > 0, "--temperature must be > 0 (logprobs of greedy decoding are not a policy)")
     need(0 < cfg["top_p"] <= 1, "--top_p must be in (0, 1]")
-    need(cfg["lr"] > 0, "--lr must be > 0")
     need(cfg["max_new_tokens"] < cfg["max_len"], "--max_new_tokens must be smaller than --max_len")
-    need(cfg["agent_timeout"] > 0, "--agent_timeout must be > 0")
-    need(cfg["dual_clip"] is None or cfg["dual_clip"] > 1, "--dual_clip must be > 1")
     need(cfg["dual_clip"] is None or not loss.no_dual_clip,
          f"--dual_clip with --loss {cfg['loss']}: {loss.no_dual_clip}: drop --dual_clip")
     cfg["eps_clip"] = cfg["eps_clip"] or list(loss.eps_clip)  # the loss's own (cispo: no lower bound, MiniMax-M1)
@@ -338,11 +334,7 @@ def validate(cfg: dict) -> dict:
          "--weight_sync broadcast reaches the workers of one engine core; with --engine_dp_size > 1 use "
          "--weight_sync ray (or more --num_engines instead of engine data parallelism)")
     # loop
-    for k in ("eval_every", "save_every"):
-        need(cfg[k] >= 0, f"--{k} must be >= 0")
-    need(cfg["keep_checkpoints"] >= 1, "--keep_checkpoints must be >= 1")
     need(cfg["eval_samples"] >= 1 and cfg["eval_prompts"] >= 1, "--eval_samples and --eval_prompts must be >= 1")
-    need(cfg["eval_temperature"] >= 0, "--eval_temperature must be >= 0")
     if cfg["partial_rollout"]:
         need(cfg["async_depth"] >= 1, "--partial_rollout only changes anything with --async_depth >= 1 "
              "(in sync mode no request is in flight at a weight update)")
@@ -360,7 +352,6 @@ def validate(cfg: dict) -> dict:
     if cfg["eval_dataset"]:
         data.dataset_rows(cfg, cfg["eval_dataset"])  # one clear error for a bad file
     out = Path(cfg["output_dir"])
-    need(cfg["max_failed_groups"] >= 1, "--max_failed_groups must be >= 1")
     need(not (cfg["resume"] and cfg["overwrite"]), "--resume continues the run in --output_dir and --overwrite "
          "replaces it: choose one")
     if cfg["resume"]:
@@ -388,8 +379,6 @@ def validate(cfg: dict) -> dict:
              f"--{key} {cfg[key]}: not a model folder (expected a directory with config.json)")
     cfg["model"] = str(Path(cfg["model"]).resolve())
     # scale
-    need(cfg["micro_batch_tokens"] is None or cfg["micro_batch_tokens"] >= 1, "--micro_batch_tokens must be >= 1")
-    need(cfg["max_images_per_prompt"] >= 1, "--max_images_per_prompt must be >= 1")
     import parallel
     from transformers import AutoConfig
     dims = parallel.ParallelDims(world_size=cfg["train_workers"], tp=cfg["tp_size"], cp=cfg["cp_size"], ep=cfg["ep_size"])

@@ -7,18 +7,16 @@ The trace and its rendering, `Trajectory`, `render`/`encode`, `delta_ids`, `samp
 `/s/<session>/v1/`: POST chat/completions (OpenAI), responses (OpenAI; previous_response_id within the
 session) and messages (Anthropic), each streamed or not; POST messages/count_tokens; GET models.
 
-Each API is decoded into one canonical request (`Request`) and a `ChatSession` turns requests
-into a token-exact trace: the first request is rendered with the chat template and tokenized
-once; one that extends the last (its messages, the reply as returned, new messages) appends only
-the delta, unmasked; one that rewrites the prefix starts a new segment. A reply is one completion
-of sampled ids, split into reasoning, text and tool calls by vLLM's own parsers (`reply_parsers`);
-streamed, it is the same reply as server-sent events: neither changes the trace. What each API
-field gets (honoured; ignored, named in `x-molt-ignored`; a 400, never a 5xx): docs/server.md.
+Each API is decoded into one canonical request (`Request`) and a `ChatSession` turns requests into a token-exact
+trace: the first request is rendered with the chat template and tokenized once; one that extends the last (its
+messages, the reply as returned, new messages) appends only the delta, unmasked; one that rewrites the prefix starts
+a new segment. A reply is one completion of sampled ids, split into reasoning, text and tool calls by vLLM's own
+parsers (`reply_parsers`); streamed, it is the same reply as server-sent events: neither changes the trace. What
+each API field gets (honoured; ignored, named in `x-molt-ignored`; a 400, never a 5xx): docs/server.md.
 """
 
-from __future__ import annotations
-
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -81,17 +79,10 @@ def parse_reply(text: str, parsers: tuple, request, calls: bool, most: int | Non
     return reasoning, (found.content or "").strip(), got[:most]
 
 
-def _parser_request(tools: list[dict] | None):   # what vLLM's parsers read: the tools offered
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-    try:
-        return ChatCompletionRequest(model="policy", messages=[], tools=tools)
-    except ValueError as e:
-        raise BadRequest(f"tools: {e}") from None
-
-
 # ---------------------------------------------------------------- requests: each API -> one canonical form
 
 TEXT_PARTS = ("text", "input_text", "output_text")   # Chat/Anthropic, Responses input, Responses output
+IMAGE_PARTS = ("image_url", "image", "input_image")
 
 
 def _text(content: Any, where: str) -> str:
@@ -118,9 +109,6 @@ def _image_uri(part: dict, where: str) -> str:
     _need(isinstance(src, dict) and src.get("type") == "base64" and isinstance(src.get("data"), str),
           f"{where}: image blocks need a base64 source; URLs are not fetched")
     return f"data:{src.get('media_type', 'image/png')};base64,{src['data']}"
-
-
-IMAGE_PARTS = ("image_url", "image", "input_image")
 
 
 def _content(content: Any, where: str) -> str | list[dict]:
@@ -179,13 +167,6 @@ def _stops(value: Any, name: str, most: int) -> list[str]:
     return stops
 
 
-def _chat_tools(tools: Any, where: str = "tools") -> list[dict] | None:
-    _need(tools is None or (isinstance(tools, list) and all(
-        isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
-        for t in tools)), f"'{where}' must be a list of {{type: function, function: {{name, ...}}}}")
-    return tools or None
-
-
 def _no_n(body: dict):
     _need(body.get("n") in (1, None), "n > 1 is not supported: send one request per sample "
                                        "(each request samples anew, and each sample is its own rollout segment)")
@@ -221,8 +202,6 @@ _ONLY = {"openai": {"tool_choice": ("auto",), "parallel_tool_calls": (True, Fals
                        "text": ({"format": {"type": "text"}},), "reasoning": (), "background": (False,),
                        "background_options": (), "context_management": (), "conversation": (), "prompt": (),
                        "max_tool_calls": (), "image": (), "access_programs": ()}}
-
-
 _ACCEPTED = {api: {*_READ[api].split(), *_INERT[api].split(), *RUN_SAMPLING[api]} for api in _READ}
 
 
@@ -266,8 +245,12 @@ def openai_request(body: dict) -> Request:
     _need(top is None or logprobs, "top_logprobs needs logprobs: true")
     options = body.get("stream_options")
     _need(options is None or isinstance(options, dict), "stream_options must be an object")
+    tools = body.get("tools")
+    _need(tools is None or (isinstance(tools, list) and all(
+        isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+        for t in tools)), "'tools' must be a list of {type: function, function: {name, ...}}")
     newer = body.get("max_completion_tokens")   # the newer name wins; either may be null
-    return Request(messages, _chat_tools(body.get("tools")),
+    return Request(messages, tools or None,
                    _limit(body.get("max_tokens") if newer is None else newer, "max_tokens"),
                    _stops(body.get("stop"), "stop", 4), bool(body.get("stream")),
                    (top or 0) if logprobs else None, bool((options or {}).get("include_usage")),
@@ -385,12 +368,6 @@ def _key(m: dict) -> tuple:
     return m["role"], content, calls
 
 
-def _images_of(messages: list[dict]) -> list[str]:
-    """The images shown in `messages`, in order (canonical image parts)."""
-    return [p["image"] for m in messages if isinstance(m["content"], list)
-            for p in m["content"] if p.get("type") == "image"]
-
-
 def _template_messages(messages: list[dict], native_tools: bool) -> list[dict]:
     """Canonical messages in the form the chat template takes. Without native tool
     support, calls are written as the `<tool_call>` text a model would sample."""
@@ -399,8 +376,7 @@ def _template_messages(messages: list[dict], native_tools: bool) -> list[dict]:
         t = {"role": m["role"], "content": m["content"]}
         if m.get("tool_calls") and native_tools:
             t["tool_calls"] = [{"id": c["id"], "type": "function",
-                                "function": {"name": c["name"], "arguments": c["arguments"]}}
-                               for c in m["tool_calls"]]
+                                "function": {"name": c["name"], "arguments": c["arguments"]}} for c in m["tool_calls"]]
         elif m.get("tool_calls"):
             t["content"] += "".join("<tool_call>" + json.dumps({"name": c["name"], "arguments": c["arguments"]})
                                     + "</tool_call>" for c in m["tool_calls"])
@@ -421,7 +397,6 @@ def _tool_prompt(messages: list[dict], tools: list[dict]) -> list[dict]:
 
 # ---------------------------------------------------------------- the trace behind a session
 
-
 @dataclass
 class Reply:
     """One completion, whichever API asked for it."""
@@ -435,17 +410,12 @@ class Reply:
     pieces: list[str] = field(default_factory=list)   # the text as streamed: one delta per sampled token
     reasoning: str | None = None         # what the reasoning parser took out of the text
 
-    def deltas(self) -> list[str]:
-        return self.pieces or ([self.text] if self.text else [])
-
-
-def _pieces(tokenizer, ids: list[int], text: str) -> list[str]:
-    """`text` as one piece per sampled token (a final end-of-turn aside) when they make exactly the text;
-    else [] (tool calls, reasoning, a stop cut, a character split across tokens: it streams whole)."""
-    if ids and ids[-1] == tokenizer.eos_token_id:
-        ids = ids[:-1]
-    pieces = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
-    return pieces if "".join(pieces) == text else []
+    def deltas(self) -> list[tuple[str, list[dict] | None]]:
+        """The text as streamed, each delta with its logprobs: one per sampled token when the pieces are
+        the tokens, else all on the first delta (None: none asked, or a later delta)."""
+        per_token = self.logprobs is not None and len(self.pieces) == len(self.logprobs)
+        return [(d, self.logprobs[i:i + 1] if per_token else (self.logprobs if i == 0 else None))
+                for i, d in enumerate(self.pieces or ([self.text] if self.text else []))]
 
 
 @functools.lru_cache(maxsize=1)
@@ -469,16 +439,12 @@ def token_bytes(tokenizer, t: int, text: str) -> list[int]:
 
 
 def _token_logprobs(tokenizer, ids: list[int], logprobs: list[float], tops: list | None) -> list[dict]:
-    """Per sampled token (a final end-of-turn aside): its text, bytes, logprob and alternatives."""
+    """Per token of `ids`: its text, bytes, logprob and alternatives."""
     def entry(t: int, lp: float) -> dict:
         text = tokenizer.decode([t], skip_special_tokens=False)
         return {"token": text, "logprob": lp, "bytes": token_bytes(tokenizer, t, text)}
-    n = len(ids) - (1 if ids and ids[-1] == tokenizer.eos_token_id else 0)
     return [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in (tops[i] if tops else [])]}
-            for i, (t, lp) in enumerate(zip(ids[:n], logprobs[:n]))]
-
-
-EMPTY = {"role": "assistant", "content": ""}   # a reply with no text and no call
+            for i, (t, lp) in enumerate(zip(ids, logprobs))]
 
 
 class ChatSession:
@@ -506,7 +472,8 @@ class ChatSession:
         self.error: BaseException | None = None   # a generate failure, re-raised by run_chat_agent
 
     def _uris(self, messages: list[dict]) -> list[str]:
-        images = _images_of(messages)
+        images = [p["image"] for m in messages if isinstance(m["content"], list)   # canonical image parts, in order
+                  for p in m["content"] if p.get("type") == "image"]
         _need(not images or self.image_tokens, "this request shows images but the policy has no vision tower")
         return self.image_tokens.uris(images) if images else []
 
@@ -517,18 +484,17 @@ class ChatSession:
         native = tools if self.native_tools else None
         # The whole last conversation, or all but its reply when that was empty: the OpenAI Agents SDK
         # (chat completions) drops an empty reply from the history it sends back.
-        held = [n for n in (len(self.keys), len(self.keys) - 1 if self.keys[-1:] == [_key(EMPTY)] else -1)
+        empty = [_key({"role": "assistant", "content": ""})]   # a reply with no text and no call
+        held = [n for n in (len(self.keys), len(self.keys) - 1 if self.keys[-1:] == empty else -1)
                 if 0 <= n < len(messages) and [_key(m) for m in messages[:n]] == self.keys[:n]]
         if self.segments and tools == self.tools and held:
             n = held[0]
             new = _template_messages(messages[n:], self.native_tools)
-            try:
+            with contextlib.suppress(PrefixRewrite):   # the template re-renders history: a new segment, below
                 delta = delta_ids(self.tokenizer, self.rendered, self.reply_ids, new, native)
                 images = self._uris(new)
                 delta = self.image_tokens.expand(delta, images) if images else delta
                 return self.segments[-1].tokens + delta, delta, self.rendered + new, images
-            except PrefixRewrite:
-                pass  # the template re-renders history: a new segment, below
         rendered = _template_messages(messages, self.native_tools)
         if tools and not self.native_tools:
             rendered = _tool_prompt(rendered, tools)
@@ -538,7 +504,11 @@ class ChatSession:
         return ids, ids, rendered, images
 
     async def complete(self, req: Request) -> Reply:
-        request = _parser_request(req.tools)
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        try:   # what vLLM's parsers read: the tools offered
+            request = ChatCompletionRequest(model="policy", messages=[], tools=req.tools)
+        except ValueError as e:
+            raise BadRequest(f"tools: {e}") from None
         prompt, delta, rendered, new_images = self.prompt(req.messages, req.tools)
         budget = self.max_len - len(prompt)
         if budget <= 0:  # no room for even one token: an empty, cut-off reply; nothing recorded
@@ -572,10 +542,14 @@ class ChatSession:
         self.rendered = rendered + [{"role": "assistant", "content": sampled}]
         self.tools, self.reply_ids = req.tools, ids
         finish = "length" if cutoff else ("tool_calls" if calls else "stop")
+        shown = ids[:-1] if ids and ids[-1] == self.tokenizer.eos_token_id else ids   # a final end-of-turn aside
         logprobs = None if req.top_logprobs is None else \
-            _token_logprobs(self.tokenizer, ids, out["logprobs"], out.get("top_logprobs"))
+            _token_logprobs(self.tokenizer, shown, out["logprobs"], out.get("top_logprobs"))
+        # Streamed one piece per sampled token when the pieces make exactly the text; else whole (tool calls,
+        # reasoning, a stop cut, a character split across tokens).
+        pieces = [self.tokenizer.decode([t], skip_special_tokens=False) for t in shown]
         return Reply(text, calls, finish, len(prompt), len(ids), stop if cut >= 0 else None, logprobs,
-                     _pieces(self.tokenizer, ids, text), reasoning)
+                     pieces if "".join(pieces) == text else [], reasoning)
 
 
 # ---------------------------------------------------------------- replies: one Reply -> each API, whole or streamed
@@ -612,10 +586,8 @@ def openai_response(reply: Reply, model: str, req: Request) -> dict | list[Event
                       "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}]}
     events = [chunk({"role": "assistant", "content": ""})] + ([chunk(think)] if think else [])
     if text:
-        per_token = reply.logprobs is not None and len(reply.pieces) == len(reply.logprobs)
-        for i, piece in enumerate(reply.deltas()):   # one chunk per sampled token, with its logprobs
-            lp = {"content": reply.logprobs[i:i + 1], "refusal": None} if per_token else (logprobs if i == 0 else None)
-            events.append(chunk({"content": piece}, lp=lp))
+        for piece, lp in reply.deltas():   # one chunk per sampled token, with its logprobs
+            events.append(chunk({"content": piece}, lp=None if lp is None else {"content": lp, "refusal": None}))
     for i, c in enumerate(_openai_calls(reply)):   # the name first, then the arguments, as OpenAI streams them
         events.append(chunk({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
                                              "function": {"name": c["function"]["name"], "arguments": ""}}]}))
@@ -644,7 +616,7 @@ def anthropic_response(reply: Reply, model: str, req: Request) -> dict | list[Ev
         "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": 0}}})]
     for i, block in enumerate(content):
         if block["type"] == "text":
-            start, deltas = {"type": "text", "text": ""}, [{"type": "text_delta", "text": t} for t in reply.deltas()]
+            start, deltas = {"type": "text", "text": ""}, [{"type": "text_delta", "text": t} for t, _ in reply.deltas()]
         elif block["type"] == "thinking":
             start, deltas = {**block, "thinking": ""}, [{"type": "thinking_delta", "thinking": reply.reasoning}]
         else:
@@ -655,8 +627,7 @@ def anthropic_response(reply: Reply, model: str, req: Request) -> dict | list[Ev
                    ("content_block_stop", {"type": "content_block_stop", "index": i})]
     end = {"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": sequence},
            "usage": {"output_tokens": reply.completion_tokens}}
-    return events + [("message_delta", end),
-                     ("message_stop", {"type": "message_stop"})]
+    return events + [("message_delta", end), ("message_stop", {"type": "message_stop"})]
 
 
 def responses_response(reply: Reply, model: str, req: Request, body: dict) -> tuple[str, dict | list[Event]]:
@@ -686,8 +657,8 @@ def responses_response(reply: Reply, model: str, req: Request, body: dict) -> tu
 
     def event(kind: str, **data):
         events.append((kind, {"type": kind, "sequence_number": len(events), **data}))
-    event("response.created", response={**response, "status": "in_progress", "output": [], "usage": None})
-    event("response.in_progress", response={**response, "status": "in_progress", "output": [], "usage": None})
+    for kind in ("response.created", "response.in_progress"):
+        event(kind, response={**response, "status": "in_progress", "output": [], "usage": None})
     for i, item in enumerate(output):
         at = {"item_id": item["id"], "output_index": i}
         empty = {"content": []} if item["type"] != "function_call" else {"arguments": ""}
@@ -695,10 +666,8 @@ def responses_response(reply: Reply, model: str, req: Request, body: dict) -> tu
         if item["type"] == "message":
             part = item["content"][0]
             event("response.content_part.added", **at, content_index=0, part={**part, "text": "", "logprobs": []})
-            per_token = reply.logprobs is not None and len(reply.pieces) == len(reply.logprobs)
-            for j, piece in enumerate(reply.deltas()):   # one delta per sampled token, with its logprobs
-                lp = reply.logprobs[j:j + 1] if per_token else (part["logprobs"] if j == 0 else [])
-                event("response.output_text.delta", **at, content_index=0, delta=piece, logprobs=lp)
+            for piece, lp in reply.deltas():   # one delta per sampled token, with its logprobs
+                event("response.output_text.delta", **at, content_index=0, delta=piece, logprobs=lp or [])
             event("response.output_text.done", **at, content_index=0, text=part["text"], logprobs=part["logprobs"])
             event("response.content_part.done", **at, content_index=0, part=part)
         elif item["type"] == "reasoning":
@@ -712,13 +681,14 @@ def responses_response(reply: Reply, model: str, req: Request, body: dict) -> tu
     return response["id"], events
 
 
-def error_body(api: str, status: int, message: str) -> dict:
+def error_response(api: str, status: int, message: str):
     """An error in the API's own format, so each SDK raises its usual exception."""
+    from aiohttp import web
     kind = {404: "not_found_error", 413: "request_too_large"}.get(
         status, "invalid_request_error" if status < 500 else "api_error")
-    if api == "anthropic":
-        return {"type": "error", "error": {"type": kind, "message": message}}
-    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    body = ({"type": "error", "error": {"type": kind, "message": message}} if api == "anthropic"
+            else {"error": {"message": message, "type": kind, "param": None, "code": None}})
+    return web.json_response(body, status=status)
 
 
 def _sse(events: list[Event]) -> bytes:
@@ -838,15 +808,13 @@ class ChatServer:
                     if api != "count_tokens":
                         session.last = (api, key, response)
         except BadRequest as e:
-            status = 404 if session is None else e.status
-            return web.json_response(error_body(fmt, status, str(e)), status=status)
+            return error_response(fmt, 404 if session is None else e.status, str(e))
         except (TemplateError, RecursionError, UnicodeError) as e:   # e.g. a template that insists roles alternate
-            return web.json_response(error_body(fmt, 400, f"the chat template cannot render this request: {e}"),
-                                     status=400)
+            return error_response(fmt, 400, f"the chat template cannot render this request: {e}")
         except Exception as e:
             if session.error is not e:
                 log.exception("chat server: request failed")
-            return web.json_response(error_body(fmt, 500, f"{type(e).__name__}: {e}"), status=500)
+            return error_response(fmt, 500, f"{type(e).__name__}: {e}")
         headers = {**({"x-molt-cached": "true"} if cached else {}),
                    **({"x-molt-ignored": ", ".join(ignored)} if ignored else {})}   # the run's sampling applies
         if isinstance(response, dict):
@@ -860,15 +828,13 @@ class ChatServer:
         model = {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "molt",
                  "type": "model", "display_name": self.model_name, "created_at": "1970-01-01T00:00:00Z"}
         if request.match_info["session"] not in self.sessions:
-            return web.json_response(error_body("openai", 404, "no open session"), status=404)
+            return error_response("openai", 404, "no open session")
         if "model" in request.match_info:
             return web.json_response(model)
         return web.json_response({"object": "list", "data": [model], "has_more": False,
                                   "first_id": self.model_name, "last_id": self.model_name})
 
     async def _not_found(self, request):
-        from aiohttp import web
         api = "anthropic" if "/messages" in request.path else "openai"
-        return web.json_response(error_body(api, 404, (
-            f"no route {request.method} {request.path}; OpenAI clients use ctx.base_url "
-            "(.../s/<session>/v1), Anthropic clients ctx.anthropic_base_url (.../s/<session>)")), status=404)
+        return error_response(api, 404, f"no route {request.method} {request.path}; OpenAI clients use ctx.base_url "
+                              "(.../s/<session>/v1), Anthropic clients ctx.anthropic_base_url (.../s/<session>)")

@@ -1,16 +1,13 @@
 """Weight sync, both halves: the trainer's rank 0 sends the policy, every engine worker reloads it.
 
-`--weight_sync ray`: one safetensors blob (`WeightSender.weights_blob`) through Ray's object
-store (shared memory on one node; the default with exactly one GPU). `--weight_sync broadcast`:
-rank 0 broadcasts flat buckets of `--sync_bucket_mb` into every engine worker over a process
-group of their own (nccl on GPU, gloo on CPU), each tensor in its own dtype, bit for bit.
-`WeightSender` is a base of `trainer.Trainer`; `WeightReceiver` is the vLLM worker extension
-that receives and reloads in place. Both sit behind `generator.Engines.update_weights`.
+`--weight_sync ray`: one safetensors blob (`WeightSender.weights_blob`) through Ray's object store (shared memory on
+one node; the default with exactly one GPU). `--weight_sync broadcast`: rank 0 broadcasts flat buckets of
+`--sync_bucket_mb` into every engine worker over a process group of their own (nccl on GPU, gloo on CPU), each
+tensor in its own dtype, bit for bit. `WeightSender` is a base of `trainer.Trainer`; `WeightReceiver` is the vLLM
+worker extension that receives and reloads in place. Both sit behind `generator.Engines.update_weights`.
 
     python -m pytest -q tests/test_weight_sync.py
 """
-
-from __future__ import annotations
 
 import datetime
 import json
@@ -26,9 +23,8 @@ class WeightSender:
     """The trainer's half (it uses Trainer's full_state_dict, frozen, dims, device, cfg)."""
 
     def sync_state_dict(self) -> dict[str, torch.Tensor]:
-        """What the engine receives: checkpoint names vLLM's load_weights takes (MoE experts
-        per expert: experts.{e}.gate_proj/up_proj/down_proj.weight), frozen weights (router,
-        vision tower) left out."""
+        """What the engine receives: checkpoint names vLLM's load_weights takes (MoE experts per expert:
+        experts.{e}.gate_proj/up_proj/down_proj.weight), frozen weights (router, vision tower) left out."""
         out = {}
         for k, v in self.full_state_dict().items():
             if k.endswith("mlp.experts.gate_up_proj"):        # [E, 2I, H]
@@ -39,9 +35,7 @@ class WeightSender:
             elif k.endswith("mlp.experts.down_proj"):         # [E, H, I]
                 for e in range(v.shape[0]):
                     out[f"{k[:-len('down_proj')]}{e}.down_proj.weight"] = v[e]
-            elif k in self.frozen:
-                continue                                      # never changes: nothing to send
-            else:
+            elif k not in self.frozen:                        # a frozen one never changes: nothing to send
                 out[k] = v
         return out
 
@@ -66,11 +60,6 @@ class WeightSender:
         if self.dims.rank != 0:
             return 0
         return send_weights(self.sync_group, weights, self.cfg["sync_bucket_mb"] << 20, self.device)
-
-    def weight_names(self) -> list[str]:
-        """Names in every weights_blob (for --check_weight_sync: the engine compares them with
-        its own parameters). Every rank must call it."""
-        return sorted(self.sync_state_dict())
 
 
 class WeightReceiver:
@@ -174,11 +163,10 @@ def bucket_plan(weights: dict[str, torch.Tensor], bucket_bytes: int) -> list[lis
     return plan if plan[0] else []
 
 
-# On CPU every fresh bucket buffer is paid in page faults at each update (SmolLM2, 2 cores: a
-# 509 MiB bucket took 0.3-2.1 s to receive into fresh memory, 0.14-0.17 s into reused memory). So
-# on CPU the sender reuses one buffer for all its buckets, and a receiver reuses its first
-# bucket's buffer of the previous update (that update's reload has finished by then). On GPU
-# torch's caching allocator already reuses memory.
+# On CPU every fresh bucket buffer is paid in page faults at each update (SmolLM2, 2 cores: a 509 MiB bucket
+# took 0.3-2.1 s to receive into fresh memory, 0.14-0.17 s into reused memory). So on CPU the sender reuses one
+# buffer for all its buckets, and a receiver reuses its first bucket's buffer of the previous update (that
+# update's reload has finished by then). On GPU torch's caching allocator already reuses memory.
 _kept: dict[str, torch.Tensor] = {}
 
 

@@ -1,25 +1,20 @@
 """The policy trainer: a transformers causal LM under FSDP2, one RL step at a time.
 
-`Trainer` runs as a Ray actor (`TrainerGroup` below wraps it with `ray.remote`). Each
-`train_step(trajectories)`:
+`Trainer` runs as a Ray actor (`TrainerGroup` below wraps it with `ray.remote`). Each `train_step(trajectories)`:
 
   1. pads the token-exact trajectories into [B, T] tensors (no re-tokenizing) and splits
      them into this rank's micro-batches (batches.py);
-  2. recomputes the logprobs of the sampled tokens under the current weights
-     (`old_logprobs`) and logs how far they are from the engine's sampling
-     logprobs (the train/rollout mismatch);
+  2. recomputes the logprobs of the sampled tokens under the current weights (`old_logprobs`) and logs how far
+     they are from the engine's sampling logprobs (the train/rollout mismatch);
   3. computes advantages with the chosen estimator (estimators.py);
   4. for each micro-batch: forward, policy loss (losses.py) normalized by the
      action tokens of the whole step, backward; then clip and step the optimizer.
 
-The weights go to the engines through `sync.WeightSender`, checkpoints through
-`checkpoint.Checkpoints` (both bases of `Trainer`).
-`build_tiny_model` makes the default random-init model and its offline character tokenizer.
+The weights go to the engines through `sync.WeightSender`, checkpoints through `checkpoint.Checkpoints` (both
+bases of `Trainer`). `build_tiny_model` makes the default random-init model and its offline character tokenizer.
 
     python -c "import trainer; trainer.build_tiny_model('/tmp/tiny')"
 """
-
-from __future__ import annotations
 
 import asyncio
 import gc
@@ -27,6 +22,7 @@ import json
 import math
 import shutil
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -49,11 +45,10 @@ TINY_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|
 def build_tiny_model(path: str, seed: int = 0) -> str:
     """Build (once) a ~130k-parameter Qwen3 with a character tokenizer at `path`.
 
-    The vocabulary is tiny on purpose: a random policy must hit the right
-    answer now and then for RL alone to get started."""
+    The vocabulary is tiny on purpose: a random policy must hit the right answer now and then for RL
+    alone to get started."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
-
     out = Path(path)
     if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
         return str(out)
@@ -69,19 +64,12 @@ def build_tiny_model(path: str, seed: int = 0) -> str:
                          head_dim=32,  # vLLM's CPU attention needs head_dim >= 32
                          max_position_embeddings=1024, tie_word_embeddings=True,
                          eos_token_id=0, pad_token_id=0, bos_token_id=None)
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
     tmp = out.with_name(out.name + ".tmp")
-    model.save_pretrained(tmp)
+    torch.manual_seed(seed)
+    Qwen3ForCausalLM(config).save_pretrained(tmp)
     hf_tok.save_pretrained(tmp)
     tmp.rename(out)  # atomic: a half-built folder is never reused
     return str(out)
-
-
-def needs_reference(cfg: dict) -> bool:
-    """A frozen reference model is loaded only when something uses it."""
-    return (estimators.ESTIMATORS[cfg["estimator"]].teacher
-            or (cfg["kl_coef"] > 0 and (cfg["kl_loss"] or cfg["kl_in_reward"])))
 
 
 def load_model(path: str) -> torch.nn.Module:
@@ -102,8 +90,7 @@ def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
     """Dropout off in this in-memory model (an export keeps the checkpoint's config). The
     trainer scores in eval() and trains in train(), and the engine never drops: with dropout
     the first ratio would not be 1 and trainer and engine would disagree on every token."""
-    configs = [m.config for m in model.modules() if hasattr(m, "config")]
-    for c in {id(c): c for c in configs}.values():
+    for c in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
         for sub in (c, *(getattr(c, k) for k in ("text_config", "vision_config") if hasattr(c, k))):
             for k in dropout_fields(sub):
                 setattr(sub, k, 0.0)
@@ -136,22 +123,20 @@ class ValueModel(torch.nn.Module):
 class Trainer(sync.WeightSender, checkpoint.Checkpoints):
     """One trainer rank. `cfg` is the dict of main.py's flags.
 
-    Models: the policy (trained), a frozen reference (only when a KL term or
-    on-policy distillation needs one; `--ref_model` or the initial policy) and
-    a critic (only for gae). All are parallelized the same way (parallel.py).
+    Models: the policy (trained), a frozen reference (only when a KL term or on-policy distillation
+    needs one; `--ref_model` or the initial policy) and a critic (only for gae). All are parallelized
+    the same way (parallel.py).
 
-    Every rank receives the WHOLE batch: it collates it, scores (old/ref logprobs,
-    values) only its own rows and all-reduces the scores, so advantages, the
-    step's token counts and the metrics are global and identical on every rank;
-    then it trains on its own share of each mini-batch (rows split by tokens
-    across data ranks, the same number of micro-batches on every rank, empty
-    ones padded with a zero-weight row so collectives never deadlock)."""
+    Every rank receives the WHOLE batch: it collates it, scores (old/ref logprobs, values) only its own
+    rows and all-reduces the scores, so advantages, the step's token counts and the metrics are global
+    and identical on every rank; then it trains on its own share of each mini-batch (rows split by
+    tokens across data ranks, the same number of micro-batches on every rank, empty ones padded with a
+    zero-weight row so collectives never deadlock)."""
 
     def __init__(self, cfg: dict, rank: int = 0, world_size: int = 1,
                  master_addr: str = "127.0.0.1", master_port: int = 0,
                  node: tuple[int, int, bool] | None = None):
         from transformers import AutoConfig, AutoTokenizer
-
         self.cfg = cfg
         torch.manual_seed(cfg["seed"])
         # node: (trainer ranks, engines on this rank's node, whether they overlap): on CPU the threads come from
@@ -161,8 +146,7 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
             threads = parallel.cpu_threads(parallel.node_cores(), *node, train_threads=threads)[0]
         if threads:
             torch.set_num_threads(threads)
-        self.device = parallel.init_distributed(rank, world_size, master_addr,
-                                                master_port or parallel.free_port())
+        self.device = parallel.init_distributed(rank, world_size, master_addr, master_port or parallel.free_port())
         self.dims = parallel.ParallelDims(world_size=world_size, tp=cfg.get("tp_size", 1),
                                           cp=cfg.get("cp_size", 1), ep=cfg.get("ep_size", 1))
         config = AutoConfig.from_pretrained(cfg["model"])
@@ -194,17 +178,17 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         # Frozen weights never change: the engine keeps its own copy (weight sync skips them).
         self.frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
         self.model = self._shard(model, routing_hooks=True)
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad],
-                                           lr=cfg["lr"], betas=(0.9, 0.99),
-                                           weight_decay=cfg["weight_decay"], eps=1e-8)
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg["lr"],
+                                           betas=(0.9, 0.99), weight_decay=cfg["weight_decay"], eps=1e-8)
+        self.estimator = estimators.ESTIMATORS[cfg["estimator"]]
         self.ref = None
-        if needs_reference(cfg):
+        if self.estimator.teacher or (cfg["kl_coef"] > 0 and (cfg["kl_loss"] or cfg["kl_in_reward"])):
             # No routing hooks: the KL/distillation target is the reference's own distribution, with
             # its own expert choices, never the policy's sampled routing (--routing_replay).
             self.ref = self._shard(load_model(cfg["ref_model"] or cfg["model"]))
             self.ref.requires_grad_(False).eval()
         self.critic = self.critic_optimizer = None
-        if estimators.ESTIMATORS[cfg["estimator"]].critic:
+        if self.estimator.critic:
             self.critic = self._shard(without_dropout(ValueModel(cfg["critic_model"] or cfg["model"])))
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=cfg["critic_lr"] or cfg["lr"],
                                                       betas=(0.9, 0.99), weight_decay=cfg["weight_decay"])
@@ -216,25 +200,23 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
                                     activation_checkpointing=self.cfg.get("activation_checkpointing", False),
                                     offload=self.cfg.get("offload") == "optimizer", routing_hooks=routing_hooks)
 
-    def _reduce(self, x: torch.Tensor, group: str = "dp_cp") -> torch.Tensor:
-        """SUM over a mesh dim (no-op when it has one rank)."""
-        g = self.dims.group(group)
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """SUM over the data and context ranks (no-op when there is one)."""
+        g = self.dims.group("dp_cp")
         if g is not None:
             x = x.to(self.device)
             torch.distributed.all_reduce(x, group=g)
         return x.cpu()
 
     def _inputs(self, batch: dict, mb: torch.Tensor) -> dict:
-        """Model inputs of a micro-batch on this rank's device (batches.layout), a VLM's
-        pixel inputs added."""
+        """Model inputs of a micro-batch on this rank's device (batches.layout), a VLM's pixel inputs added."""
         real = len(mb) > 0
         idx = mb if real else torch.tensor([0])    # an empty micro-batch runs a zero-weight row
         x = batches.layout(batch, idx, self.cfg.get("packing"), self.dims.cp, self.dims.cp_rank,
                            self.cfg.get("routing_replay"))
         inp = x["inputs"]
         if self.image_processor is not None:  # whole rows (CP and packing are refused for VLMs)
-            images = batch.get("images") or [[] for _ in range(len(batch["input_ids"]))]
-            rows_images = [images[i] for i in idx.tolist()]
+            rows_images = [batch["images"][i] for i in idx.tolist()] if batch.get("images") else [[] for _ in idx]
             if self.dims.dp_shard > 1 and not any(rows_images):
                 # Every rank must run the FSDP-sharded vision blocks (their collectives): add a
                 # row showing a blank image; _forward drops its outputs.
@@ -268,15 +250,7 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         return batches.scatter(self.critic(**x["inputs"])[:b, :n], x, self.device)  # less any dummy image row
 
     @torch.no_grad()
-    def compute_logprobs(self, trajectories: list[dict]) -> list[list[float]]:
-        """Trainer logprobs of each trajectory's tokens (position t scores token t+1).
-        With several ranks every rank must be called with the same trajectories."""
-        batch = batches.collate(trajectories, self.pad_id, self.dims.cp)
-        old = self._score(batch, ref=False, values=False)["old"]
-        return [row[:len(t["tokens"]) - 1] for row, t in zip(old.tolist(), trajectories)]
-
-    @torch.no_grad()
-    def _score(self, batch: dict, ref: bool = True, values: bool = True) -> dict[str, torch.Tensor]:
+    def _score(self, batch: dict) -> dict[str, torch.Tensor]:
         """Everything computed once per step before any update: old logprobs and entropy
         (policy at the version that sampled), reference logprobs, old values. Each rank
         scores its rows (and CP chunk), then one all-reduce makes them global."""
@@ -290,9 +264,9 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
             lp, ent = self._forward(self.model, x, entropy=True)
             out["old"][i] += lp.cpu() * own
             out["entropy"][i] += ent.cpu() * own
-            if ref and self.ref is not None:
+            if self.ref is not None:
                 out["ref"][i] += self._forward(self.ref, x)[0].cpu() * own
-            if values and self.critic is not None:
+            if self.critic is not None:
                 out["values"][i] += self._values(x).cpu() * own
         summed = self._reduce(torch.stack([out[k] for k in keys]))
         return dict(zip(keys, summed.unbind(0)))
@@ -318,11 +292,11 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
                                                 low=cfg["is_band"][0], high=cfg["is_band"][1])
         # KL enters the advantage for --kl_in_reward, and is the whole signal for distillation.
         kl, kl_coef = None, 0.0
-        if estimators.ESTIMATORS[cfg["estimator"]].teacher:
+        if self.estimator.teacher:
             kl, kl_coef = old - ref, cfg["kl_coef"]             # reverse-KL log-ratio to the teacher
         elif cfg["kl_in_reward"]:
             kl, kl_coef = losses.kl(old, ref, cfg["kl_estimator"]), cfg["kl_coef"]
-        advantages, returns = estimators.ESTIMATORS[cfg["estimator"]](
+        advantages, returns = self.estimator(
             rewards, mask, batch["groups"], rollout_ids=batch["rollout_ids"], kl=kl, kl_coef=kl_coef,
             values=old_values if self.critic is not None else None, gamma=cfg["gamma"], lam=cfg["lam"])
 
@@ -331,9 +305,7 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         # its whole optimizer step, and FSDP sums the gradients over data ranks.
         self.model.train()
         shuffle = torch.Generator().manual_seed(cfg["seed"] * 100_003 + self.version)
-        totals: dict[str, float] = {}
-        norms: dict[str, float] = {}
-        updates = 0
+        totals, norms, updates = defaultdict(float), defaultdict(float), 0
         for _ in range(cfg["ppo_epochs"]):
             order = torch.randperm(B, generator=shuffle) if cfg["mini_batches"] > 1 else torch.arange(B)
             for rows in order.tensor_split(cfg["mini_batches"]):  # exactly --mini_batches parts (chunk may give fewer)
@@ -345,11 +317,10 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
                         parts.update(self._critic_loss(batch, x, old_values, returns, step_tokens))
                     sum(v for k, v in parts.items() if k.endswith("loss")).backward()
                     for k, v in parts.items():
-                        totals[k] = totals.get(k, 0.0) + float(v.detach() if torch.is_tensor(v) else v)
-                norms["grad_norm"] = norms.get("grad_norm", 0.0) + self._step(self.model, self.optimizer)
+                        totals[k] += float(v.detach() if torch.is_tensor(v) else v)
+                norms["grad_norm"] += self._step(self.model, self.optimizer)
                 if self.critic is not None:
-                    norms["critic_grad_norm"] = (norms.get("critic_grad_norm", 0.0)
-                                                 + self._step(self.critic, self.critic_optimizer))
+                    norms["critic_grad_norm"] += self._step(self.critic, self.critic_optimizer)
                 updates += 1
         self.version += 1
         keys = sorted(totals)  # the same keys on every rank
@@ -399,8 +370,7 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
                                            dual_clip=cfg["dual_clip"])
         agg = lambda v: self._agg(v, m, i, batch, step_tokens, step_rows)
         share = m.sum().item() / step_tokens.item()  # this micro-batch's share of the step's tokens
-        parts = {"policy_loss": agg(per_token * weights[i].to(dev)),
-                 "clip_frac": float(pm["clip_frac"]) * share}
+        parts = {"policy_loss": agg(per_token * weights[i].to(dev)), "clip_frac": float(pm["clip_frac"]) * share}
         if cfg["kl_loss"]:
             parts["kl_loss"] = cfg["kl_coef"] * agg(losses.kl(lp, ref[i].to(dev), cfg["kl_estimator"]))
         if cfg["entropy_coef"]:
@@ -428,8 +398,7 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights in transformers' in-memory names (MoE experts fused [E, ...]), on CPU.
         Every rank must call it (collectives); rank 0 gets the tensors."""
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
-                                                                       cpu_offload=True))
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         for name, module in self.model.named_modules():
             if isinstance(module, parallel.EPExperts):  # gather this rank's experts, then all EP ranks'
                 for pname, p in module.named_parameters():
@@ -468,10 +437,9 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
 
 
 class TrainerGroup:
-    """The trainer ranks as Ray actors forming one process group; the loop talks
-    to the group, and every collective (the step, the full state dict) runs on
-    all ranks. Every rank gets the whole batch (one object-store copy) and trains
-    on its token-balanced share of it (see Trainer).
+    """The trainer ranks as Ray actors forming one process group; the loop talks to the group, and every
+    collective (the step, the full state dict) runs on all ranks. Every rank gets the whole batch (one
+    object-store copy) and trains on its token-balanced share of it (see Trainer).
 
     Placement: one Ray bundle per rank (one CPU, one GPU where the cluster has GPUs, plus
     --trainer_resources), apart from the engines' bundles. The ranks of a TP x CP group talk in
@@ -514,8 +482,7 @@ class TrainerGroup:
     async def train_step(self, trajectories: list[dict]) -> dict:
         import ray
         ref = ray.put(trajectories)
-        results = await asyncio.gather(*[w.train_step.remote(ref) for w in self.workers])
-        return results[0]
+        return (await asyncio.gather(*[w.train_step.remote(ref) for w in self.workers]))[0]
 
     def weights_blob(self):
         """A Ray ref to rank 0's blob (every rank joins the gather)."""
@@ -533,10 +500,8 @@ def shared_markers(cfg: dict) -> list[str]:
     if not (cfg.get("save_every") or cfg.get("resume") or cfg.get("export_hf")):
         return []
     out = Path(cfg["output_dir"]).resolve()
-    folders = [out]
     export = Path(cfg["export_hf"]).resolve().parent if cfg.get("export_hf") else out
-    if export != out and not export.is_relative_to(out):
-        folders.append(export)
+    folders = [out] + ([export] if export != out and not export.is_relative_to(out) else [])
     markers = []
     for folder in folders:
         folder.mkdir(parents=True, exist_ok=True)

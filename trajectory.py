@@ -16,8 +16,6 @@ re-renders earlier turns (an Env cannot continue; a ChatAgent starts a new segme
 `sample` raises `DropRollout` for a rollout that cannot be trained on.
 """
 
-from __future__ import annotations
-
 import functools
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
@@ -42,14 +40,9 @@ class Trajectory:
         self.tokens += ids
         self.mask += [int(sampled)] * len(ids)
         self.logprobs += list(logprobs) if sampled else [0.0] * len(ids)
-        if isinstance(version, list):  # per token: a partial rollout can span weight updates
-            self.versions += version if sampled else [-1] * len(ids)
-        else:
-            self.versions += [version if sampled else -1] * len(ids)
-
-    @property
-    def num_sampled(self) -> int:
-        return sum(self.mask)
+        if not isinstance(version, list):  # a list: per token (a partial rollout can span weight updates)
+            version = [version] * len(ids)
+        self.versions += version if sampled else [-1] * len(ids)
 
 
 Generate = Callable[..., Awaitable[dict]]   # (prompt_ids, sampling[, images]) -> dict (generator.py)
@@ -153,11 +146,10 @@ def delta_ids(tokenizer, messages: list[dict], reply_ids: list[int], new: list[d
               tools: list[dict] | None = None) -> list[int]:
     """Token ids that follow the sampled reply when the messages `new` come next.
 
-    `messages` ends with the assistant reply, its content the sampled text. The
-    ids are the template's text after the reply (its end-of-turn, if the model
-    did not sample it), the new messages and the next generation prompt; the
-    reply itself is not re-encoded. Raises PrefixRewrite if the template does
-    not render the longer conversation by appending."""
+    `messages` ends with the assistant reply, its content the sampled text. The ids are the template's
+    text after the reply (its end-of-turn, if the model did not sample it), the new messages and the next
+    generation prompt; the reply itself is not re-encoded. Raises PrefixRewrite if the template does not
+    render the longer conversation by appending."""
     before = render(tokenizer, messages[:-1], True, tools)
     closed = render(tokenizer, messages, False, tools)
     reply = messages[-1]["content"]
@@ -175,10 +167,3 @@ def delta_ids(tokenizer, messages: list[dict], reply_ids: list[int], new: list[d
                             "grows; an Env needs a template that only appends (a ChatAgent "
                             "gets a new segment instead)")
     return encode(tokenizer, tail + full[len(closed):])
-
-
-def observation_ids(tokenizer, messages: list[dict], reply_ids: list[int],
-                    observation: str | list, role: str = "user") -> list[int]:
-    """Token ids that follow the sampled reply when `observation` (text, or content parts
-    with images) comes next."""
-    return delta_ids(tokenizer, messages, reply_ids, [{"role": role, "content": observation}])

@@ -22,12 +22,11 @@ CPU machines without torchvision need two shims (see `VIDEO_STUB` and
 `examples/vlm_shims/sitecustomize.py`); both do nothing where torchvision works.
 """
 
-from __future__ import annotations
-
 import base64
 import functools
 import io
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Union
@@ -104,7 +103,6 @@ def build_tiny_vlm(path: str, seed: int = 0) -> str:
     `AutoTokenizer`) and vLLM (`trust_remote_code=True`) load it offline."""
     from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
     out = Path(path)
     if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
         return str(out)
@@ -179,11 +177,7 @@ def load_image(spec: ImageSpec) -> Image.Image:
         if not header.startswith("data:image/") or not header.endswith(";base64"):
             raise ValueError(f"only base64 image data URIs are supported, got {header[:40]!r}")
         return Image.open(io.BytesIO(base64.b64decode(payload))).convert("RGB")
-    try:
-        is_file = Path(spec).is_file()
-    except OSError:  # raw base64 longer than a file name may be
-        is_file = False
-    if is_file:
+    if os.path.isfile(spec):  # False (no OSError) for raw base64 longer than a file name may be
         return Image.open(spec).convert("RGB")
     try:
         raw = base64.b64decode(spec, validate=True)
@@ -200,9 +194,8 @@ def to_data_uri(image: ImageSpec) -> str:
 
 
 def collapse_image_pads(ids: list[int], pad_id: int) -> list[int]:
-    """Expanded (trainer) ids -> engine ids: each run of image pads becomes one pad.
-    The template closes every image with <|vision_end|> and opens the next with
-    <|vision_start|>, so two images never form one run."""
+    """Expanded (trainer) ids -> engine ids: each run of image pads becomes one pad. The template closes every
+    image with <|vision_end|> and opens the next with <|vision_start|>, so two images never form one run."""
     return [t for i, t in enumerate(ids) if t != pad_id or i == 0 or ids[i - 1] != pad_id]
 
 
@@ -267,12 +260,11 @@ def image_inputs(processor, images: list[ImageSpec]) -> dict[str, Any]:
 
 def mm_forward_kwargs(input_ids: torch.Tensor, images: list[list[ImageSpec]], processor,
                       image_token_id: int) -> dict[str, torch.Tensor]:
-    """Extra forward kwargs of a [B, T] batch of expanded ids whose row b shows images[b]
-    (possibly none). Qwen2.5-VL's forward consumes pixel_values and image_grid_thw as one flat
-    sequence over the batch (row 0's images, then row 1's, ...) and finds the images' places
-    by the pads in input_ids; mm_token_type_ids (1 on image pads, 0 elsewhere, padding included)
-    is what makes it compute the 3D (M-RoPE) positions: without it text after an image gets
-    plain 1D positions, which vLLM does not use. Right padding needs no attention mask (causal).
+    """Extra forward kwargs of a [B, T] batch of expanded ids whose row b shows images[b] (possibly none).
+    Qwen2.5-VL's forward consumes pixel_values and image_grid_thw as one flat sequence over the batch (row 0's
+    images, then row 1's, ...) and finds the images' places by the pads in input_ids; mm_token_type_ids (1 on image
+    pads, 0 elsewhere, padding included) is what makes it compute the 3D (M-RoPE) positions: without it text after
+    an image gets plain 1D positions, which vLLM does not use. Right padding needs no attention mask (causal).
 
     A row's pads must all be in input_ids (no slicing through an image: CP chunks and
     packing with 1D position_ids do not work with images)."""

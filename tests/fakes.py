@@ -104,3 +104,12 @@ def check_token_exact(segments, calls):
 
 def ids(tokenizer, text):
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def trainer_logprobs(trainer, trajectories: list[dict]) -> list[list[float]]:
+    """The trainer's logprobs of each trajectory's tokens (position t scores token t+1), as
+    its step scores them. With several ranks every rank must be called with the same trajectories."""
+    import batches
+    batch = batches.collate(trajectories, trainer.pad_id, trainer.dims.cp)
+    old = trainer._score(batch)["old"]
+    return [row[:len(t["tokens"]) - 1] for row, t in zip(old.tolist(), trajectories)]

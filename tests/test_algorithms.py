@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from fakes import trainer_logprobs
 from test_engine import trainer_cfg
 from trainer import Trainer
 
@@ -79,7 +80,7 @@ def _signal_trajectories(trainer=None, ratios=None):
                           "versions": [-1] * len(prompt) + [0] * len(reply),
                           "reward": REWARDS[i] * (1 if g == 0 else -1), "group": g, "rollout_id": i})
     if trainer is not None:
-        for t, lp in zip(trajs, trainer.compute_logprobs(trajs)):
+        for t, lp in zip(trajs, trainer_logprobs(trainer, trajs)):
             shift = math.log((ratios or {}).get(trajs.index(t), 1.0))
             t["logprobs"] = [0.0] + [x - shift if m else 0.0 for x, m in zip(lp, t["mask"][1:])]
     return trajs
@@ -98,7 +99,7 @@ def _flat(state):
 
 
 def _sampled(trainer, trajs):
-    return [[lp for lp, m in zip(row, t["mask"][1:]) if m] for row, t in zip(trainer.compute_logprobs(trajs), trajs)]
+    return [[lp for lp, m in zip(row, t["mask"][1:]) if m] for row, t in zip(trainer_logprobs(trainer, trajs), trajs)]
 
 
 @pytest.mark.parametrize("loss", losses.POLICY_LOSSES)

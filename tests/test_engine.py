@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from fakes import tokens_out
+from fakes import tokens_out, trainer_logprobs
 from generator import Generator
 from trainer import Trainer
 
@@ -65,7 +65,7 @@ def _sample(engine, loop, tokenizer, n=8):
 
 def _gap(trainer, trajs):
     """Max |trainer logprob - engine sampling logprob| over sampled tokens."""
-    recomputed = trainer.compute_logprobs(trajs)
+    recomputed = trainer_logprobs(trainer, trajs)
     gaps = [abs(r[t - 1] - tr["logprobs"][t]) for tr, r in zip(trajs, recomputed)
             for t in range(1, len(tr["tokens"])) if tr["mask"][t]]
     return max(gaps), sum(gaps) / len(gaps)

@@ -66,7 +66,7 @@ def _worker(rank, world, port, cases, trajs, out_dir):
     import trainer
     for name, cfg in cases:
         t, metrics, sd = _run_case(cfg, trajs, rank, world, port)
-        result = {"metrics": metrics, "state": sd, "names": t.weight_names()}
+        result = {"metrics": metrics, "state": sd, "names": sorted(t.sync_state_dict())}
         if cfg["tp_size"] > 1:  # vocab-parallel LM head: each TP rank's logits cover its slice only
             result["logits_width"] = t.model(input_ids=torch.tensor([[2, 3]])).logits.shape[-1]
         if name.endswith("+ckpt"):  # save, reload into a fresh trainer, one more step on both
@@ -286,7 +286,7 @@ def test_routing_replay_and_frozen_router(tiny_moe, references):
     assert (sd[gate] - references["moe0"][gate]).abs().max() > 0
     t, _, sd = _run_case(_cfg(tiny_moe, freeze_router=True), trajs)
     assert torch.equal(sd[gate], references["moe0"][gate])
-    assert gate not in t.weight_names()
+    assert gate not in t.sync_state_dict()
 
 
 def test_the_reference_keeps_its_own_routing_under_routing_replay(tiny_moe):

@@ -17,7 +17,7 @@ from PIL import Image
 
 import agent as agents
 import trajectory
-from fakes import tokens_out
+from fakes import tokens_out, trainer_logprobs
 from server import ChatServer
 import vision
 
@@ -270,7 +270,7 @@ def _env_rollouts(gen, loop, tok, image_tokens, n: int, seed0: int = 0) -> list[
 
 
 def _gap(trainer, trajs) -> float:
-    recomputed = trainer.compute_logprobs(trajs)
+    recomputed = trainer_logprobs(trainer, trajs)
     gaps = [abs(r[t - 1] - tr["logprobs"][t]) for tr, r in zip(trajs, recomputed)
             for t in range(1, len(tr["tokens"])) if tr["mask"][t]]
     return sum(gaps) / len(gaps)
