@@ -38,7 +38,7 @@ def start_ray(cfg: dict):
     path on every node (shared storage, or the same checkout and install.sh on each)."""
     import ray
     paths = [ROOT, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]  # absolute: workers run elsewhere
-    env = {"PYTHONPATH": os.pathsep.join(str(Path(p).resolve()) for p in paths if p),
+    env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(str(Path(p).resolve()) for p in paths if p)),
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
            "VLLM_CONFIGURE_LOGGING": os.environ.get("VLLM_CONFIGURE_LOGGING", "1"),
