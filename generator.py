@@ -58,7 +58,9 @@ class Generator:
             os.environ.update(cpu_engine_env(*cpu_slot, tp_size=tp_size))
             self.threads = int(os.environ.get("OMP_NUM_THREADS", 0)) or None
             if enforce_eager:  # vLLM's sampler compiles a one-line count on the first request: 2.5 s of set-up
-                import torch._dynamo
+                # Read as the default when torch loads _dynamo, for every thread and the engine core; a
+                # config assignment (if it is loaded already) holds only in this thread and a fork of it.
+                os.environ["TORCH_COMPILE_DISABLE"] = "1"
                 torch._dynamo.config.disable = True
         from transformers import AutoConfig
         from vllm.engine.arg_utils import AsyncEngineArgs

@@ -36,7 +36,13 @@ class Flaky(Env):
 SMALL = ["--prompts_per_step", "4", "--samples_per_prompt", "4", "--max_new_tokens", "3", "--quiet"]
 
 
-def test_short_run_trains_logs_and_cleans_up(tiny_model, tmp_path):
+def test_short_run_trains_logs_and_cleans_up(tiny_model, tmp_path, monkeypatch):
+    compile_off = []
+
+    async def record(engines, version):   # on CPU the engine is eager: torch.compile only cost start-up
+        compile_off.append(await engines.actors[0].__ray_call__.remote(
+            lambda gen: __import__("torch")._dynamo.config.disable))   # read in a thread of Ray's
+    _hooks(monkeypatch, before_update=record)
     agent = tmp_path / "flaky.py"
     agent.write_text(FLAKY_AGENT)
     out = tmp_path / "run"
@@ -53,6 +59,7 @@ def test_short_run_trains_logs_and_cleans_up(tiny_model, tmp_path):
     assert sum(m.get("dropped/error", 0) for m in lines[-1:]) > 0   # crashed rollouts were counted
     assert "info/len" in lines[0]
     assert summary["steps"] == 3
+    assert compile_off and all(compile_off)
     # Parameters changed, and the exported folder loads.
     start = load_file(f"{tiny_model}/model.safetensors")
     final = load_file(out / "final" / "model.safetensors")
