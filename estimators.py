@@ -1,27 +1,32 @@
 """Advantage estimators: one scalar reward per row -> per-token advantages and returns.
 
-Every estimator has the same signature
+Every estimator is a function
 
-    advantages, returns = fn(rewards, mask, groups, *, kl=None, values=None,
-                             gamma=1.0, lam=1.0, kl_coef=0.0, rollout_ids=None)
+    advantages, returns = fn(rewards, mask, groups, *, <the inputs it uses>, <its own settings>)
 
 rewards [B]; mask [B, T] (1 on the policy's own action tokens, gaps allowed for multi-turn observations);
-groups [B] (rows of one prompt share an id); rollout_ids [B] or None (segments of one rollout share an id and a
-reward, and group baselines count each rollout once); kl [B, T] = log pi - log pi_ref; values [B, T] critic
-values. Both outputs are float32 [B, T], zero off the mask. Token-level recursions (discounting, GAE) run per row
-over action tokens only: non-action tokens are transparent. A segment is treated as its own trajectory whose
-reward sits on its last action token.
+groups [B] (rows of one prompt share an id). The trainer offers every input below, and a function gets only the
+ones its signature names (`Spec.__call__`), so a new input reaches a new estimator without touching the others:
+rollout_ids [B] (segments of one rollout share an id and a reward, and group baselines count each rollout once);
+kl [B, T] = log pi - log pi_ref and kl_coef (KL-in-reward, or a teacher's KL); values [B, T] critic values. Its
+own settings (gamma, lam, ...) are declared in its entry (`Spec.settings`, a `losses.Setting` each): main.py
+makes them flags, and only the estimators that declare them get them. Both outputs are float32 [B, T], zero off
+the mask. Token-level recursions (discounting, GAE) run per row over action tokens only: non-action tokens are
+transparent. A segment is treated as its own trajectory whose reward sits on its last action token.
 
 To add an estimator: AGENTS.md, "Add an estimator" (a function and its `Spec` in ESTIMATORS).
 
 Test: python -m pytest -q tests/test_estimators.py
 """
 
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
+
+from losses import Setting, own_settings
 
 OptT = Optional[Tensor]
 Pair = tuple[Tensor, Tensor]  # (advantages [B, T], returns [B, T])
@@ -90,22 +95,22 @@ def _broadcast(per_row: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     return adv, adv.clone()
 
 
-def reinforce(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: OptT = None, values: OptT = None,
-              gamma: float = 1.0, lam: float = 1.0, kl_coef: float = 0.0, rollout_ids: OptT = None) -> Pair:
+def reinforce(rewards: Tensor, mask: Tensor, groups: Tensor, *,
+              kl: OptT = None, kl_coef: float = 0.0, gamma: float = 1.0) -> Pair:
     """Discounted return of reward (+ KL-in-reward), no baseline; advantages = returns."""
     ret = _discounted_returns(_token_rewards("reinforce", rewards, mask, kl, kl_coef), mask, gamma)
     return ret, ret.clone()
 
 
-def reinforce_pp(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: OptT = None, values: OptT = None,
-                 gamma: float = 1.0, lam: float = 1.0, kl_coef: float = 0.0, rollout_ids: OptT = None) -> Pair:
+def reinforce_pp(rewards: Tensor, mask: Tensor, groups: Tensor, *,
+                 kl: OptT = None, kl_coef: float = 0.0, gamma: float = 1.0) -> Pair:
     """REINFORCE++: discounted return of reward + KL-in-reward, whitened over the batch's action tokens."""
     ret = _discounted_returns(_token_rewards("reinforce_pp", rewards, mask, kl, kl_coef), mask, gamma)
     return whiten(ret, mask), ret
 
 
-def reinforce_pp_baseline(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: OptT = None, values: OptT = None,
-                          gamma: float = 1.0, lam: float = 1.0, kl_coef: float = 0.0, rollout_ids: OptT = None) -> Pair:
+def reinforce_pp_baseline(rewards: Tensor, mask: Tensor, groups: Tensor, *,
+                          rollout_ids: OptT = None, kl: OptT = None, kl_coef: float = 0.0, gamma: float = 1.0) -> Pair:
     """REINFORCE++ with the group mean (per rollout) subtracted from the reward before returns and whitening."""
     mean, _, _ = group_stats(rewards, groups, rollout_ids)
     r = _token_rewards("reinforce_pp_baseline", rewards.float() - mean, mask, kl, kl_coef)  # [B, T]
@@ -113,8 +118,7 @@ def reinforce_pp_baseline(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: 
     return whiten(ret, mask), ret
 
 
-def rloo(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: OptT = None, values: OptT = None,
-         gamma: float = 1.0, lam: float = 1.0, kl_coef: float = 0.0, rollout_ids: OptT = None) -> Pair:
+def rloo(rewards: Tensor, mask: Tensor, groups: Tensor, *, rollout_ids: OptT = None) -> Pair:
     """Reward minus the mean of the other rollouts of its group; 0 for a group of one rollout."""
     mean, _, n = group_stats(rewards, groups, rollout_ids)
     # r - (n*mean - r)/(n-1) == n/(n-1) * (r - mean)
@@ -122,22 +126,20 @@ def rloo(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: OptT = None, valu
     return _broadcast(adv, mask)
 
 
-def grpo(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: OptT = None, values: OptT = None,
-         gamma: float = 1.0, lam: float = 1.0, kl_coef: float = 0.0, rollout_ids: OptT = None) -> Pair:
+def grpo(rewards: Tensor, mask: Tensor, groups: Tensor, *, rollout_ids: OptT = None) -> Pair:
     """(reward - group mean) / (group std + 1e-6), population std (unbiased=False), per rollout."""
     mean, std, _ = group_stats(rewards, groups, rollout_ids)
     return _broadcast((rewards.float() - mean) / (std + 1e-6), mask)
 
 
-def dr_grpo(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: OptT = None, values: OptT = None,
-            gamma: float = 1.0, lam: float = 1.0, kl_coef: float = 0.0, rollout_ids: OptT = None) -> Pair:
+def dr_grpo(rewards: Tensor, mask: Tensor, groups: Tensor, *, rollout_ids: OptT = None) -> Pair:
     """Dr. GRPO: reward - group mean (per rollout), no std normalisation."""
     mean, _, _ = group_stats(rewards, groups, rollout_ids)
     return _broadcast(rewards.float() - mean, mask)
 
 
-def gae(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: OptT = None, values: OptT = None,
-        gamma: float = 1.0, lam: float = 1.0, kl_coef: float = 0.0, rollout_ids: OptT = None) -> Pair:
+def gae(rewards: Tensor, mask: Tensor, groups: Tensor, *,
+        values: OptT = None, kl: OptT = None, kl_coef: float = 0.0, gamma: float = 1.0, lam: float = 1.0) -> Pair:
     """GAE(gamma, lam) over action tokens only, V after the last action = 0; returns = A + V. No whitening."""
     if values is None:
         raise ValueError("gae needs critic values, got values=None")
@@ -156,8 +158,7 @@ def gae(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: OptT = None, value
     return adv, torch.where(m, adv + v, 0)
 
 
-def on_policy_distill(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: OptT = None, values: OptT = None,
-                      gamma: float = 1.0, lam: float = 1.0, kl_coef: float = 0.0, rollout_ids: OptT = None) -> Pair:
+def on_policy_distill(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: OptT = None, kl_coef: float = 0.0) -> Pair:
     """Per-token advantage -kl_coef * (log pi_student - log pi_teacher); reward ignored."""
     if kl is None:
         raise ValueError("on_policy_distill needs kl = student - teacher logprobs, got kl=None")
@@ -170,29 +171,40 @@ def on_policy_distill(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: OptT
 @dataclass(frozen=True)
 class Spec:
     """An estimator and what the rest of the code needs to know about it (main.validate refuses flags by these,
-    the trainer builds a critic or a teacher by them). Calling a Spec calls its function."""
+    the trainer builds a critic or a teacher by them). Calling a Spec calls its function with the inputs it names
+    and its own settings (defaults filled, bounds checked)."""
     fn: Callable[..., Pair]
-    group: bool = False                    # compares rollouts of one prompt: needs --samples_per_prompt >= 2
-    no_kl_in_reward: Optional[str] = None  # why a KL penalty in the reward is refused (kl_coef must be 0)
+    min_group: int = 1                     # the smallest group it gives a signal for: --samples_per_prompt >= it
+    no_kl_in_reward: Optional[str] = None  # why a KL penalty in the reward is refused (it takes no kl_coef)
     critic: bool = False                   # needs critic values: a value model is trained (--critic_*)
     teacher: bool = False                  # the advantage is -kl_coef * (log pi - log pi_teacher): needs
                                            # --ref_model and --kl_coef > 0, and takes no other KL term
+    settings: dict[str, Setting] = field(default_factory=dict)   # its own flags (losses.Setting)
 
-    def __call__(self, rewards: Tensor, mask: Tensor, groups: Tensor, **kw) -> Pair:
-        if self.no_kl_in_reward and kw.get("kl_coef", 0.0) != 0.0:  # refuse rather than silently drop it
-            raise ValueError(f"{self.fn.__name__} does not support KL-in-reward (kl_coef={kw['kl_coef']}): it "
+    def __call__(self, rewards: Tensor, mask: Tensor, groups: Tensor, settings: Optional[dict] = None,
+                 **inputs) -> Pair:
+        takes = inspect.signature(self.fn).parameters
+        if unknown := sorted(set(inputs) - set(INPUTS)):
+            raise ValueError(f"{', '.join(unknown)}: not an estimator input ({', '.join(INPUTS)}); settings go in "
+                             "settings=")
+        if inputs.get("kl_coef", 0.0) != 0.0 and "kl_coef" not in takes:  # refuse rather than silently drop it
+            raise ValueError(f"{self.fn.__name__} does not support KL-in-reward (kl_coef={inputs['kl_coef']}): it "
                              f"{self.no_kl_in_reward}; use a KL loss term instead")
-        return self.fn(rewards, mask, groups, **kw)
+        own = own_settings(self.fn.__name__, self.settings, settings or {})
+        return self.fn(rewards, mask, groups, **{k: v for k, v in inputs.items() if k in takes}, **own)
 
 
+# What the trainer offers every estimator (Trainer.train_step); each function takes the ones it names.
+INPUTS = ("rollout_ids", "kl", "kl_coef", "values")
+GAMMA = Setting(1.0, "discount over action tokens", low=0, high=1)
 _GROUP_NORMALIZED = "normalizes a sequence reward within its group"
 ESTIMATORS: dict[str, Spec] = {
-    "reinforce": Spec(reinforce),
-    "reinforce_pp": Spec(reinforce_pp),
-    "reinforce_pp_baseline": Spec(reinforce_pp_baseline, group=True),
-    "rloo": Spec(rloo, group=True, no_kl_in_reward=_GROUP_NORMALIZED),
-    "grpo": Spec(grpo, group=True, no_kl_in_reward=_GROUP_NORMALIZED),
-    "dr_grpo": Spec(dr_grpo, group=True, no_kl_in_reward=_GROUP_NORMALIZED),
-    "gae": Spec(gae, critic=True),
+    "reinforce": Spec(reinforce, settings={"gamma": GAMMA}),
+    "reinforce_pp": Spec(reinforce_pp, settings={"gamma": GAMMA}),
+    "reinforce_pp_baseline": Spec(reinforce_pp_baseline, min_group=2, settings={"gamma": GAMMA}),
+    "rloo": Spec(rloo, min_group=2, no_kl_in_reward=_GROUP_NORMALIZED),
+    "grpo": Spec(grpo, min_group=2, no_kl_in_reward=_GROUP_NORMALIZED),
+    "dr_grpo": Spec(dr_grpo, min_group=2, no_kl_in_reward=_GROUP_NORMALIZED),
+    "gae": Spec(gae, critic=True, settings={"gamma": GAMMA, "lam": Setting(1.0, "GAE lambda", low=0, high=1)}),
     "on_policy_distill": Spec(on_policy_distill, teacher=True),
 }

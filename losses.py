@@ -12,8 +12,8 @@ Test: python -m pytest -q tests/test_losses.py
 """
 
 import math
-from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -41,7 +41,7 @@ def _count(n: Count, like: Tensor) -> Tensor:
 
 
 def ppo(log_ratio: Tensor, logprobs: Tensor, A: Tensor, m: Tensor, lo: float, hi: float,
-        dual_clip: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+        dual_clip: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor]:
     """-min(r A, clip(r, lo, hi) A), r = exp(logp - old); dual_clip=c caps the loss at -c A for A < 0.
     Returns (per-token loss, ratio, clipped) [B, T]."""
     ratio = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))  # [B, T]
@@ -57,7 +57,7 @@ def ppo(log_ratio: Tensor, logprobs: Tensor, A: Tensor, m: Tensor, lo: float, hi
 
 
 def gspo(log_ratio: Tensor, logprobs: Tensor, A: Tensor, m: Tensor, lo: float, hi: float,
-         dual_clip: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+         dual_clip: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor]:
     """PPO clipping on the GSPO-token ratio sg[s_i] * exp(logp - sg[logp]), where
     s_i = exp(mean over row i's action tokens of (logp - old)): its value is s_i on every token
     of the row, its gradient per token s_i * grad logp (GSPO, Zheng et al. 2025)."""
@@ -66,8 +66,8 @@ def gspo(log_ratio: Tensor, logprobs: Tensor, A: Tensor, m: Tensor, lo: float, h
     return ppo(seq[:, None] + lp - lp.detach(), logprobs, A, m, lo, hi, dual_clip)  # [B, T]
 
 
-def cispo(log_ratio: Tensor, logprobs: Tensor, A: Tensor, m: Tensor, lo: float, hi: float,
-          dual_clip: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+def cispo(log_ratio: Tensor, logprobs: Tensor, A: Tensor, m: Tensor, lo: float,
+          hi: float) -> tuple[Tensor, Tensor, Tensor]:
     """-sg[clip(r, lo, hi)] * A * logp (MiniMax-M1: lo = 0, the upper bound only); the gradient
     flows only through logp, so clipped tokens keep theirs."""
     ratio = torch.exp(log_ratio.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))  # [B, T] detached
@@ -76,41 +76,78 @@ def cispo(log_ratio: Tensor, logprobs: Tensor, A: Tensor, m: Tensor, lo: float, 
 
 
 @dataclass(frozen=True)
+class Setting:
+    """A flag of an estimator's or a loss's own, declared in its registry entry (ESTIMATORS,
+    POLICY_LOSSES): main.py adds --NAME, main.validate checks the bounds and refuses the flag unless
+    the chosen entry declares it, and only that entry's function gets it, as a keyword. Entries that
+    declare the same name share one Setting."""
+    default: Any                 # None: off unless given
+    help: str
+    type: type = float
+    low: Optional[float] = None  # bounds, inclusive (None: unbounded)
+    high: Optional[float] = None
+    low_open: bool = False       # low itself excluded
+
+    def bounds(self) -> str:
+        if self.high is None:
+            return "" if self.low is None else f"{'>' if self.low_open else '>='} {self.low:g}"
+        return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+
+    def check(self, name: str, value: Any):
+        lo, hi = self.low, self.high
+        if value is not None and ((lo is not None and (value < lo or (self.low_open and value == lo)))
+                                  or (hi is not None and value > hi)):
+            raise ValueError(f"--{name} must be {self.bounds()}, got {value}")
+
+
+def own_settings(entry: str, declared: dict[str, Setting], given: dict) -> dict:
+    """`given` checked against what `entry` declares (names, bounds), defaults filled in."""
+    if unknown := sorted(set(given) - set(declared)):
+        raise ValueError(f"{entry} has no setting {', '.join(unknown)} (its settings: "
+                         f"{', '.join(declared) or 'none'})")
+    out = {k: given.get(k, s.default) for k, s in declared.items()}
+    for k, s in declared.items():
+        s.check(k, out[k])
+    return out
+
+
+DUAL_CLIP = Setting(None, "dual-clip bound c: the loss of a negative-advantage token is capped at -c A", low=1,
+                    low_open=True)
+
+
+@dataclass(frozen=True)
 class PolicyLoss:
     """A policy loss and everything main.validate needs to know about it: the defaults a run
-    gets when a flag is not given, and why it refuses a flag (None: accepted)."""
-    fn: Callable[..., tuple[Tensor, Tensor, Tensor]]  # (log_ratio, logprobs, A, m, lo, hi, dual_clip)
-    eps_clip: tuple[Optional[float], float]  # default --eps_clip LOW HIGH (LOW None: no lower bound)
+    gets when a flag is not given, its own settings, and why it refuses a flag (None: accepted)."""
+    fn: Callable[..., tuple[Tensor, Tensor, Tensor]]  # (log_ratio, logprobs, A, m, lo, hi, **settings)
+    eps_clip: Optional[tuple[Optional[float], float]]  # default --eps_clip LOW HIGH (LOW None: no lower
+                                                       # bound); None: no clip range, --eps_clip refused
     loss_agg: str = "token_mean"             # default --loss_agg
-    no_dual_clip: Optional[str] = None       # why --dual_clip is refused
     no_cp: Optional[str] = None              # why --cp_size > 1 (rows split across ranks) is refused
+    settings: dict[str, Setting] = field(default_factory=dict)   # its own flags
 
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {
-    "ppo": PolicyLoss(ppo, eps_clip=(0.2, 0.2)),
+    "ppo": PolicyLoss(ppo, eps_clip=(0.2, 0.2), settings={"dual_clip": DUAL_CLIP}),
     # GSPO as published: the sequence-level objective averages rows (each row's tokens
     # averaged), and its clip range is that of a geometric-mean ratio, 3e-4 / 4e-4.
     "gspo": PolicyLoss(gspo, eps_clip=(3e-4, 4e-4), loss_agg="seq_mean_token_mean",
-                       no_cp="its sequence ratio needs each row whole on one rank"),
-    "cispo": PolicyLoss(cispo, eps_clip=(None, 0.2),
-                        no_dual_clip="dual_clip caps PPO's clipped objective; cispo has none to cap"),
+                       no_cp="its sequence ratio needs each row whole on one rank", settings={"dual_clip": DUAL_CLIP}),
+    "cispo": PolicyLoss(cispo, eps_clip=(None, 0.2)),   # no dual clip: its weight is bounded already
 }
 
 
 def policy_loss(kind: str, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
-                eps_low: Optional[float] = 0.2, eps_high: float = 0.2,
-                dual_clip: Optional[float] = None) -> tuple[Tensor, dict[str, Tensor]]:
+                eps_low: Optional[float] = 0.2, eps_high: float = 0.2, **settings) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token policy loss [B, T] (minimise it) and metrics; `kind` names an entry of POLICY_LOSSES (ppo,
-    gspo, cispo: see their functions). The ratio's band is [1 - eps_low, 1 + eps_high]; eps_low=None (only for a
-    loss whose default has no lower bound) leaves the lower bound out."""
+    gspo, cispo: see their functions), `settings` are that entry's own (e.g. dual_clip). The ratio's band is
+    [1 - eps_low, 1 + eps_high]; eps_low=None (only for a loss whose default has no lower bound) leaves the
+    lower bound out."""
     if kind not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {kind!r}; choices: {tuple(POLICY_LOSSES)}")
     spec = POLICY_LOSSES[kind]
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
-    if dual_clip is not None and spec.no_dual_clip:
-        raise ValueError(spec.no_dual_clip)
-    if eps_low is None and spec.eps_clip[0] is not None:
+    settings = own_settings(kind, spec.settings, settings)
+    if eps_low is None and spec.eps_clip and spec.eps_clip[0] is not None:
         raise ValueError(f"{kind} needs eps_low (only a loss without a default lower bound may leave it out)")
     m, A = mask.bool(), advantages.float()
     # where() before anything else so padding (even -inf logprobs) cannot leak NaN into gradients.
@@ -118,7 +155,7 @@ def policy_loss(kind: str, logprobs: Tensor, old_logprobs: Tensor, advantages: T
     tok_lr = log_ratio.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     tok_ratio = torch.exp(tok_lr)  # [B, T] detached per-token ratio
     lo, hi = (0.0 if eps_low is None else 1.0 - eps_low), 1.0 + eps_high
-    loss, ratio, clipped = spec.fn(log_ratio, logprobs, A, m, lo, hi, dual_clip)
+    loss, ratio, clipped = spec.fn(log_ratio, logprobs, A, m, lo, hi, **settings)
     return torch.where(m, loss, 0), {
         "clip_frac": _mean(clipped.float(), m),
         "ratio_mean": _mean(ratio, m),

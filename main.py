@@ -57,6 +57,19 @@ def resources(text: str) -> dict[str, float]:
     return {k: float(v) for k, v in value.items()}
 
 
+def own_settings() -> dict[str, tuple]:
+    """Every estimator's and loss's own settings: flag name -> (its Setting, who declares it: "--estimator a/b")."""
+    found = {}
+    for flag, registry in (("estimator", estimators.ESTIMATORS), ("loss", losses.POLICY_LOSSES)):
+        for entry, spec in registry.items():
+            for name, s in spec.settings.items():
+                if found.setdefault(name, (s, {}))[0] is not s:
+                    raise ValueError(f"--{name} is declared twice, differently (by {entry} and others): entries "
+                                     "that share a setting share one losses.Setting")
+                found[name][1].setdefault(flag, []).append(entry)
+    return {k: (s, " and ".join(f"--{f} {'/'.join(e)}" for f, e in who.items())) for k, (s, who) in found.items()}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="RL training of LLM agents: vLLM rollout, FSDP2 trainer, one async Ray loop.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -160,11 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eps_clip", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
                    help="clip range: ratio in [1-LOW, 1+HIGH] (default: the loss's own, " + "; ".join(
                        f"{name} {'no lower bound, HIGH' if s.eps_clip[0] is None else '%g' % s.eps_clip[0]} "
-                       f"{s.eps_clip[1]:g}" for name, s in losses.POLICY_LOSSES.items()) + ")")
-    g.add_argument("--dual_clip", type=float, default=None, help="dual-clip bound c > 1 for negative advantages "
-                   f"({', '.join(n for n, s in losses.POLICY_LOSSES.items() if not s.no_dual_clip)})")
-    g.add_argument("--gamma", type=float, default=1.0, help="discount over action tokens")
-    g.add_argument("--lam", type=float, default=1.0, help="GAE lambda")
+                       f"{s.eps_clip[1]:g}" for name, s in losses.POLICY_LOSSES.items() if s.eps_clip) + ")")
     g.add_argument("--loss_agg", default=None, help=f"loss normalization: {', '.join(losses.LOSS_AGGS)} "
                    "(token_mean divides by the action tokens of the whole optimizer step; default: the loss's "
                    f"own, {'; '.join(f'{n} {s.loss_agg}' for n, s in losses.POLICY_LOSSES.items())})")
@@ -188,6 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "clip: ratio clamped to the band; trunc: min(ratio, HIGH))")
     g.add_argument("--is_band", type=float, nargs=2, default=[0.0, 2.0], metavar=("LOW", "HIGH"),
                    help="IS weight band (trunc uses HIGH only)")
+
+    g = p.add_argument_group("settings of one estimator or loss", "declared in its entry (estimators.ESTIMATORS, "
+                             "losses.POLICY_LOSSES); refused with any other")
+    for name, (s, owners) in own_settings().items():
+        g.add_argument(f"--{name}", type=s.type, default=None, help=f"{s.help} ({owners}; default "
+                       f"{'off' if s.default is None else s.default}{', ' + s.bounds() if s.bounds() else ''})")
 
     g = p.add_argument_group("optimization")
     g.add_argument("--lr", type=float, default=5e-4, help="learning rate (AdamW)")
@@ -264,7 +279,7 @@ def validate(cfg: dict) -> dict:
         need(cfg[k] is None or cfg[k] >= 1, f"--{k} must be >= 1, got {cfg[k]}")
     need(cfg["async_depth"] >= 0, f"--async_depth must be >= 0, got {cfg['async_depth']}")
     for k, op, bound in (("kl_coef", ">=", 0), ("reward_clip", ">", 0), ("lr", ">", 0), ("agent_timeout", ">", 0),
-                         ("dual_clip", ">", 1), ("eval_every", ">=", 0), ("save_every", ">=", 0),
+                         ("eval_every", ">=", 0), ("save_every", ">=", 0),
                          ("eval_temperature", ">=", 0), ("keep_checkpoints", ">=", 1), ("max_failed_groups", ">=", 1),
                          ("micro_batch_tokens", ">=", 1), ("max_images_per_prompt", ">=", 1)):   # None: not set
         need(cfg[k] is None or (cfg[k] > bound if op == ">" else cfg[k] >= bound), f"--{k} must be {op} {bound}")
@@ -273,8 +288,15 @@ def validate(cfg: dict) -> dict:
     # What an estimator or a loss needs, refuses and defaults to is declared in its entry
     # (estimators.ESTIMATORS, losses.POLICY_LOSSES); the checks below read the entries.
     est, loss = estimators.ESTIMATORS[cfg["estimator"]], losses.POLICY_LOSSES[cfg["loss"]]
-    need(not est.group or cfg["samples_per_prompt"] > 1,
-         f"--estimator {cfg['estimator']} compares rollouts of the same prompt and needs --samples_per_prompt >= 2")
+    need(cfg["samples_per_prompt"] >= est.min_group, f"--estimator {cfg['estimator']} compares rollouts of the "
+         f"same prompt and needs --samples_per_prompt >= {est.min_group}")
+    for name, (s, owners) in own_settings().items():
+        mine = name in est.settings or name in loss.settings
+        need(mine or cfg[name] is None, f"--{name} is a setting of {owners}, not of --estimator "
+             f"{cfg['estimator']} / --loss {cfg['loss']}: drop it")
+        if mine:
+            cfg[name] = s.default if cfg[name] is None else cfg[name]
+            s.check(name, cfg[name])
     cfg["loss_agg"] = cfg["loss_agg"] or loss.loss_agg
     for k, choices in (("loss_agg", losses.LOSS_AGGS), ("kl_estimator", losses.KL_ESTIMATORS)):
         need(cfg[k] in (None, *choices), f"--{k} {cfg[k]!r} is unknown; choose from {', '.join(choices)}")
@@ -308,11 +330,12 @@ def validate(cfg: dict) -> dict:
     need(cfg["temperature"] > 0, "--temperature must be > 0 (logprobs of greedy decoding are not a policy)")
     need(0 < cfg["top_p"] <= 1, "--top_p must be in (0, 1]")
     need(cfg["max_new_tokens"] < cfg["max_len"], "--max_new_tokens must be smaller than --max_len")
-    need(cfg["dual_clip"] is None or not loss.no_dual_clip,
-         f"--dual_clip with --loss {cfg['loss']}: {loss.no_dual_clip}: drop --dual_clip")
-    cfg["eps_clip"] = cfg["eps_clip"] or list(loss.eps_clip)  # the loss's own (cispo: no lower bound, MiniMax-M1)
-    need(cfg["eps_clip"][0] is None or 0 <= cfg["eps_clip"][0] <= 1, "--eps_clip LOW must be in [0, 1]")
-    need(cfg["eps_clip"][1] >= 0, "--eps_clip HIGH must be >= 0")
+    if loss.eps_clip is None:
+        need(cfg["eps_clip"] is None, f"--loss {cfg['loss']} has no clip range: drop --eps_clip")
+    else:
+        cfg["eps_clip"] = cfg["eps_clip"] or list(loss.eps_clip)  # the loss's own (cispo: no lower bound, MiniMax-M1)
+        need(cfg["eps_clip"][0] is None or 0 <= cfg["eps_clip"][0] <= 1, "--eps_clip LOW must be in [0, 1]")
+        need(cfg["eps_clip"][1] >= 0, "--eps_clip HIGH must be >= 0")
     need(cfg["top_p"] == 1 or cfg["is_level"] == "off", f"--top_p {cfg['top_p']} with IS correction: the engine's "
          "logprobs are then of the truncated, renormalized distribution and the trainer's of the full softmax, "
          "so the IS weights would be wrong; use --top_p 1, or --is_level off (no train/rollout correction)")

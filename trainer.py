@@ -296,9 +296,10 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
             kl, kl_coef = old - ref, cfg["kl_coef"]             # reverse-KL log-ratio to the teacher
         elif cfg["kl_in_reward"]:
             kl, kl_coef = losses.kl(old, ref, cfg["kl_estimator"]), cfg["kl_coef"]
-        advantages, returns = self.estimator(
-            rewards, mask, batch["groups"], rollout_ids=batch["rollout_ids"], kl=kl, kl_coef=kl_coef,
-            values=old_values if self.critic is not None else None, gamma=cfg["gamma"], lam=cfg["lam"])
+        advantages, returns = self.estimator(  # it gets the inputs it names, and its own settings
+            rewards, mask, batch["groups"], {k: cfg[k] for k in self.estimator.settings},
+            rollout_ids=batch["rollout_ids"], kl=kl, kl_coef=kl_coef,
+            values=old_values if self.critic is not None else None)
 
         # PPO: --ppo_epochs passes over the batch, each split into --mini_batches optimizer
         # steps; every micro-batch (on every rank) is normalized by the tokens (or rows) of
@@ -318,36 +319,18 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
                     sum(v for k, v in parts.items() if k.endswith("loss")).backward()
                     for k, v in parts.items():
                         totals[k] += float(v.detach() if torch.is_tensor(v) else v)
-                norms["grad_norm"] += self._step(self.model, self.optimizer)
+                norms["grad_norm"] += optimizer_step(self.model, self.optimizer, cfg["grad_clip"], self.dims)
                 if self.critic is not None:
-                    norms["critic_grad_norm"] += self._step(self.critic, self.critic_optimizer)
+                    norms["critic_grad_norm"] += optimizer_step(self.critic, self.critic_optimizer, cfg["grad_clip"],
+                                                                self.dims)
                 updates += 1
         self.version += 1
         keys = sorted(totals)  # the same keys on every rank
         totals = dict(zip(keys, self._reduce(torch.tensor([totals[k] for k in keys], dtype=torch.float64)).tolist()))
 
-        action = mask.bool()
         metrics = {k: v / updates for k, v in {**totals, **norms}.items()}
-        metrics.update({
-            "optimizer_steps": updates,
-            "entropy": scored["entropy"][action].mean().item(),
-            "advantage_mean": advantages[action].mean().item(),
-            "advantage_abs": advantages[action].abs().mean().item(),
-            "action_tokens": int(action.sum()),
-            "staleness": (self.version - 1 - batch["versions"][action]).float().mean().item(),
-            "mismatch_max": (old - batch["rollout_logprobs"])[action].abs().max().item(),
-            "train_s": time.perf_counter() - t0,
-            **{k: float(v) for k, v in is_metrics.items()},
-        })
-        # Tokens sampled by exactly the trainer's pre-step weights: the numeric engine/trainer gap,
-        # without the policy lag that async and partial rollout add to mismatch_abs.
-        fresh = action & (batch["versions"] == self.version - 1)
-        if fresh.any():
-            metrics["mismatch_fresh_abs"] = (old - batch["rollout_logprobs"])[fresh].abs().mean().item()
-        if self.ref is not None:
-            metrics["ref_kl_k3"] = losses.kl(old, ref, "k3")[action].mean().item()
-        if self.critic is not None:
-            metrics["value_mean"] = old_values[action].mean().item()
+        metrics.update(optimizer_steps=updates, train_s=time.perf_counter() - t0, **{k: float(v) for k, v in is_metrics.items()},
+                       **step_metrics(batch, scored, advantages, self.version, self.ref is not None, self.critic is not None))
         return metrics
 
     def _agg(self, x: torch.Tensor, m: torch.Tensor, i: torch.Tensor, batch: dict, step_tokens, step_rows):
@@ -365,9 +348,9 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         lp, ent = self._forward(self.model, x, entropy=bool(cfg["entropy_coef"]))
         dev = lp.device
         m = (batch["mask"][i] * x["own"]).to(dev)
-        per_token, pm = losses.policy_loss(cfg["loss"], lp, old[i].to(dev), advantages[i].to(dev), m,
-                                           eps_low=cfg["eps_clip"][0], eps_high=cfg["eps_clip"][1],
-                                           dual_clip=cfg["dual_clip"])
+        (lo, hi), own = cfg["eps_clip"] or (None, 0.0), losses.POLICY_LOSSES[cfg["loss"]].settings
+        per_token, pm = losses.policy_loss(cfg["loss"], lp, old[i].to(dev), advantages[i].to(dev), m, eps_low=lo,
+                                           eps_high=hi, **{k: cfg[k] for k in own})
         agg = lambda v: self._agg(v, m, i, batch, step_tokens, step_rows)
         share = m.sum().item() / step_tokens.item()  # this micro-batch's share of the step's tokens
         parts = {"policy_loss": agg(per_token * weights[i].to(dev)), "clip_frac": float(pm["clip_frac"]) * share}
@@ -384,15 +367,6 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         per_token = losses.value_loss(values, old_values[i].to(self.device), returns[i].to(self.device), m,
                                       self.cfg["value_clip"])
         return {"value_loss": losses.aggregate(per_token, m, "token_mean", num_tokens=step_tokens)}
-
-    def _step(self, model, optimizer) -> float:
-        """Clip, step (skipped on a non-finite norm: never poison the weights), zero grads."""
-        params = [p for p in model.parameters() if p.requires_grad]
-        norm = parallel.clip_grad_norm_(params, self.cfg["grad_clip"], self.dims)
-        if math.isfinite(norm):
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return norm
 
     # ---- weights out ----------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -434,6 +408,38 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
 
     def torch_threads(self) -> int:
         return torch.get_num_threads()
+
+
+def optimizer_step(model, optimizer, grad_clip: float, dims) -> float:
+    """Clip, step (skipped on a non-finite norm: never poison the weights), zero grads; returns the norm."""
+    norm = parallel.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], grad_clip, dims)
+    if math.isfinite(norm):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+def step_metrics(batch: dict, scored: dict, advantages: torch.Tensor, version: int, ref: bool, critic: bool) -> dict:
+    """What a step says about its batch's action tokens (`scored`: Trainer._score's; `version`: after the step)."""
+    action, old, sampled = batch["mask"].bool(), scored["old"], batch["rollout_logprobs"]
+    metrics = {
+        "entropy": scored["entropy"][action].mean().item(),
+        "advantage_mean": advantages[action].mean().item(),
+        "advantage_abs": advantages[action].abs().mean().item(),
+        "action_tokens": int(action.sum()),
+        "staleness": (version - 1 - batch["versions"][action]).float().mean().item(),
+        "mismatch_max": (old - sampled)[action].abs().max().item(),
+    }
+    # Tokens sampled by exactly the trainer's pre-step weights: the numeric engine/trainer gap,
+    # without the policy lag that async and partial rollout add to mismatch_abs.
+    fresh = action & (batch["versions"] == version - 1)
+    if fresh.any():
+        metrics["mismatch_fresh_abs"] = (old - sampled)[fresh].abs().mean().item()
+    if ref:
+        metrics["ref_kl_k3"] = losses.kl(old, scored["ref"], "k3")[action].mean().item()
+    if critic:
+        metrics["value_mean"] = scored["values"][action].mean().item()
+    return metrics
 
 
 class TrainerGroup:

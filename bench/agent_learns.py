@@ -19,6 +19,7 @@ the right answer.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -35,7 +36,8 @@ def recipe(*flags: str) -> dict:
     """Run the recipe with extra flags; the JSON scores an --eval_only run prints last."""
     cmd = ["bash", str(RECIPE), "--output_dir", str(OUT), "--quiet", *flags]
     print("+", " ".join(cmd), flush=True)
-    done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, check=True)
+    done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, check=True,
+                          env={**os.environ, "PYTHON": sys.executable})   # the recipe runs this interpreter
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     return json.loads(lines[-1]) if lines else {}
 

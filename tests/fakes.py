@@ -113,3 +113,15 @@ def trainer_logprobs(trainer, trajectories: list[dict]) -> list[list[float]]:
     batch = batches.collate(trajectories, trainer.pad_id, trainer.dims.cp)
     old = trainer._score(batch)["old"]
     return [row[:len(t["tokens"]) - 1] for row, t in zip(old.tolist(), trajectories)]
+
+
+def other_value(s):
+    """A value of losses.Setting `s` inside its bounds that is not its default (the generic
+    tests move every declared setting with it)."""
+    def fits(v):
+        try:
+            s.check("x", v)
+        except ValueError:
+            return False
+        return v != s.default
+    return next(s.type(v) for v in (s.low, s.high, 0.5, 2.0, 3.0, 10.0) if v is not None and fits(s.type(v)))

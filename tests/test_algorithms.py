@@ -3,6 +3,7 @@
 Trajectories are made up (fixed token ids, made-up sampling logprobs), so no engine
 is needed; tests/test_loop.py runs the same options through the real loop."""
 
+import itertools
 import math
 from pathlib import Path
 
@@ -60,25 +61,48 @@ def test_train_step_runs_and_reports_finite_metrics(tiny_model, overrides):
         assert "entropy_loss" in metrics
 
 
+ENTRIES = [("estimator", name) for name in estimators.ESTIMATORS] + [("loss", name) for name in losses.POLICY_LOSSES]
+
+
+@pytest.mark.parametrize("flag, name", ENTRIES, ids=[f"{f}={n}" for f, n in ENTRIES])
+def test_the_trainer_calls_the_chosen_entry_with_its_own_settings(tiny_model, monkeypatch, flag, name):
+    """--estimator/--loss NAME reaches that entry's function, with each of its settings as given."""
+    import dataclasses
+    import functools
+    from fakes import other_value
+    registry = estimators.ESTIMATORS if flag == "estimator" else losses.POLICY_LOSSES
+    spec, seen = registry[name], []
+
+    @functools.wraps(spec.fn)   # keeps the signature: an estimator gets the inputs it names
+    def spy(*args, **kw):
+        seen.append(kw)
+        return spec.fn(*args, **kw)
+    monkeypatch.setitem(registry, name, dataclasses.replace(spec, fn=spy))
+    given = {k: other_value(s) for k, s in spec.settings.items()}
+    teacher = {"kl_coef": 0.5, "ref_model": tiny_model} if flag == "estimator" and spec.teacher else {}
+    Trainer(trainer_cfg(tiny_model, **{flag: name}, **given, **teacher)).train_step(_trajectories())
+    assert seen and all(kw[k] == v for kw in seen for k, v in given.items())
+
+
 # ---------------------------------------------------------------- the training signal itself
 # Plain SGD and no clipping (Adam and grad clipping hide a gradient's scale), so a weight
 # update is exactly -lr * gradient and can be checked against what the flags say.
 
 SIGNED = [name for name, spec in estimators.ESTIMATORS.items() if not spec.teacher]  # signed advantages from rewards
-REWARDS = [1.0, -1.0, 0.5, -0.5]  # every estimator's advantage has the reward's sign (group mean 0)
 
 
-def _signal_trajectories(trainer=None, ratios=None):
-    """2 groups x 4 rollouts of 2 sampled tokens (distinct per rollout). Sampling logprobs are
-    the trainer's own (IS ratio 1) unless `ratios` {row: ratio} says otherwise."""
+def _signal_trajectories(trainer=None, ratios=None, size=4):
+    """2 groups x `size` (even) rollouts of 2 sampled tokens (distinct per rollout), rewards 1, -1, 0.5, -0.5,
+    0.25, ... (group mean 0: every estimator's advantage has the reward's sign). Sampling logprobs are the
+    trainer's own (IS ratio 1) unless `ratios` {row: ratio} says otherwise."""
     trajs = []
     for g in range(2):
-        for i in range(4):
-            prompt, reply = [2, 8 + g, 15, 12, 16, 0, 3], [5 + 8 * g + i, 9 + 8 * g + i]
+        for i in range(size):
+            prompt, reply = [2, 8 + g, 15, 12, 16, 0, 3], [5 + 2 * size * g + i, 5 + (2 * g + 1) * size + i]
             trajs.append({"tokens": prompt + reply, "mask": [0] * len(prompt) + [1] * len(reply),
                           "logprobs": [0.0] * (len(prompt) + len(reply)),
                           "versions": [-1] * len(prompt) + [0] * len(reply),
-                          "reward": REWARDS[i] * (1 if g == 0 else -1), "group": g, "rollout_id": i})
+                          "reward": 0.5 ** (i // 2) * (-1) ** (i + g), "group": g, "rollout_id": i})
     if trainer is not None:
         for t, lp in zip(trajs, trainer_logprobs(trainer, trajs)):
             shift = math.log((ratios or {}).get(trajs.index(t), 1.0))
@@ -108,7 +132,7 @@ def test_one_sgd_step_moves_logprobs_with_the_advantage(tiny_model, estimator, l
     """Sampled tokens of positive-advantage rollouts gain log-probability, those of negative ones
     lose it: a flipped sign anywhere between reward and update fails this."""
     t = _sgd_trainer(tiny_model, estimator=estimator, loss=loss)
-    trajs = _signal_trajectories(t)
+    trajs = _signal_trajectories(t, size=max(4, estimators.ESTIMATORS[estimator].min_group + 1) // 2 * 2)
     before = _sampled(t, trajs)
     t.train_step(trajs)
     after = _sampled(t, trajs)
@@ -153,25 +177,31 @@ def test_a_checkpoint_with_dropout_trains_with_dropout_off(tiny_model, tmp_path)
 
 
 def _two_epochs(model, loss, eps, epochs):
-    t = _sgd_trainer(model, loss=loss, eps_clip=eps, ppo_epochs=epochs)
+    t = _sgd_trainer(model, loss=loss, ppo_epochs=epochs, **({"eps_clip": eps} if eps else {}))  # else its own
     t.train_step(_signal_trajectories(t))
     return _flat(t.full_state_dict())
 
 
-def test_each_policy_loss_gives_its_own_gradient(tiny_model):
-    """In a second pass over the batch the ratios are no longer 1 and the losses part ways.
-    Tight band: every token moved past it in the first pass, so PPO's second pass has zero
-    gradient while CISPO's (clipped weight x logprob) still moves. Wide band: nothing clips,
-    so PPO equals CISPO (ratio x A x grad logprob), and GSPO (the row's ratio) differs."""
+def test_each_policy_loss_gives_its_own_gradient_through_the_trainer(tiny_model):
+    """In a second pass over the batch the ratios are no longer 1 and the losses part ways: every
+    two losses' updates differ (each at its own clip range), so an ignored --loss fails."""
+    updates = {name: _two_epochs(tiny_model, name, None, 2) for name in losses.POLICY_LOSSES}
+    start = _start(tiny_model)
+    for a, b in itertools.combinations(updates, 2):
+        assert (updates[a] - updates[b]).norm() > 1e-3 * (updates[a] - start).norm(), f"{a} and {b} update alike"
+
+
+def test_ppo_clips_and_cispo_keeps_the_clipped_tokens_gradient(tiny_model):
+    """Tight band: every token moved past it in the first pass, so PPO's second pass has zero
+    gradient while CISPO's (clipped weight x logprob) still moves. Wide band: nothing clips, so
+    PPO equals CISPO (ratio x A x grad logprob)."""
     tight, wide = [1e-4, 1e-4], [0.99, 100.0]
     ppo1, ppo2 = _two_epochs(tiny_model, "ppo", tight, 1), _two_epochs(tiny_model, "ppo", tight, 2)
     assert (ppo2 - ppo1).abs().max() == 0, "PPO: clipped tokens give no gradient"
     cispo1, cispo2 = _two_epochs(tiny_model, "cispo", tight, 1), _two_epochs(tiny_model, "cispo", tight, 2)
     assert torch_allclose(ppo1, cispo1), "at ratio 1 (first pass) the losses agree"
     assert (cispo2 - cispo1).norm() > 0.1 * (cispo1 - _start(tiny_model)).norm(), "CISPO keeps clipped tokens' gradient"
-    ppo, cispo, gspo = (_two_epochs(tiny_model, loss, wide, 2) for loss in ("ppo", "cispo", "gspo"))
-    assert torch_allclose(ppo, cispo)
-    assert (gspo - ppo).norm() > 1e-3 * (ppo - _start(tiny_model)).norm(), "GSPO weights a row by its sequence ratio"
+    assert torch_allclose(_two_epochs(tiny_model, "ppo", wide, 2), _two_epochs(tiny_model, "cispo", wide, 2))
 
 
 def _start(model):

@@ -5,6 +5,9 @@ import math
 import pytest
 import torch
 
+from fakes import other_value
+
+import estimators
 from estimators import ESTIMATORS, group_stats, whiten
 
 
@@ -25,7 +28,9 @@ def compute_advantages(name: str, rewards: torch.Tensor, mask: torch.Tensor, gro
     B = mask.shape[0]
     assert mask.dim() == 2 and rewards.shape == (B,) == groups.shape
     assert all(kw.get(k) is None or kw[k].shape == mask.shape for k in ("kl", "values"))
-    return ESTIMATORS[name](rewards, mask, groups, **kw)
+    own = ESTIMATORS[name].settings
+    return ESTIMATORS[name](rewards, mask, groups, {k: v for k, v in kw.items() if k in own},
+                            **{k: v for k, v in kw.items() if k not in own})
 
 
 # Two rows with gapped action tokens, plus a row with no action token at all.
@@ -189,20 +194,26 @@ def test_group_stats():
 # entry declares (estimators.Spec) is checked against what its function does.
 
 def _inputs(name, seed=0, B=6, T=7):
+    """Random inputs of every kind the trainer offers, and the entry's settings at their defaults."""
     g = torch.Generator().manual_seed(seed)
     mask = (torch.rand(B, T, generator=g) > 0.4).float()
     mask[:, 0] = 1.0  # every row has an action token
-    kw = dict(values=torch.randn(B, T, generator=g), gamma=0.9, lam=0.95)
+    kw = dict(values=torch.randn(B, T, generator=g), rollout_ids=None)
     if ESTIMATORS[name].no_kl_in_reward is None:
         kw.update(kl=torch.randn(B, T, generator=g), kl_coef=0.1)
     return torch.randn(B, generator=g), mask, kw
+
+
+def _groups(name, B=6):
+    """Groups of the entry's smallest signal-giving size (at least 2; the last one may be smaller)."""
+    return torch.arange(B) // max(2, ESTIMATORS[name].min_group)
 
 
 @pytest.mark.parametrize("name", sorted(ESTIMATORS))
 def test_every_estimator_shape_dtype_and_mask(name):
     rewards, mask, kw = _inputs(name)
     kw = {k: v.bfloat16() if torch.is_tensor(v) else v for k, v in kw.items()}
-    adv, ret = ESTIMATORS[name](rewards.bfloat16(), mask.bfloat16(), ids([0, 0, 0, 1, 1, 2]), **kw)
+    adv, ret = ESTIMATORS[name](rewards.bfloat16(), mask.bfloat16(), _groups(name), **kw)
     for x in (adv, ret):
         assert x.shape == mask.shape and x.dtype == torch.float32
         assert torch.isfinite(x).all()
@@ -210,21 +221,25 @@ def test_every_estimator_shape_dtype_and_mask(name):
 
 
 @pytest.mark.parametrize("name", sorted(ESTIMATORS))
-def test_group_estimators_are_exactly_those_a_lone_rollout_gives_no_signal(name):
-    """`group` (needs --samples_per_prompt >= 2) holds exactly when groups of one rollout get
-    all-zero advantages: the estimator compares rollouts of one prompt. (No KL-in-reward here:
-    a per-token penalty is signal of its own; a teacher's KL is its whole signal.)"""
-    rewards, mask, kw = _inputs(name)
+def test_min_group_is_the_smallest_group_that_gives_a_signal(name):
+    """`min_group` (--samples_per_prompt must reach it) holds exactly: groups one rollout smaller
+    give all-zero advantages, groups of min_group do not. (No KL-in-reward here: a per-token
+    penalty is signal of its own; a teacher's KL is its whole signal.)"""
+    rewards, mask, kw = _inputs(name, B=12)
     if not ESTIMATORS[name].teacher:
         kw.pop("kl", None), kw.pop("kl_coef", None)
-    adv, _ = ESTIMATORS[name](rewards, mask, ids(range(6)), **kw)
-    assert ESTIMATORS[name].group == bool((adv == 0).all())
+    n = ESTIMATORS[name].min_group
+    if n > 1:
+        adv, _ = ESTIMATORS[name](rewards, mask, torch.arange(12) // (n - 1), **kw)
+        assert (adv == 0).all(), f"groups of {n - 1} must give no signal"
+    adv, _ = ESTIMATORS[name](rewards, mask, torch.arange(12) // n, **kw)
+    assert not (adv == 0).all(), f"groups of {n} must give a signal"
 
 
 @pytest.mark.parametrize("name", sorted(ESTIMATORS))
 def test_kl_in_reward_is_used_or_refused_as_declared(name):
     rewards, mask, kw = _inputs(name)
-    grp, kl = ids([0, 0, 0, 1, 1, 2]), torch.randn(mask.shape, generator=torch.Generator().manual_seed(1))
+    grp, kl = _groups(name), torch.randn(mask.shape, generator=torch.Generator().manual_seed(1))
     if ESTIMATORS[name].no_kl_in_reward:
         with pytest.raises(ValueError, match="does not support KL-in-reward"):
             ESTIMATORS[name](rewards, mask, grp, **kw, kl=kl, kl_coef=0.1)
@@ -239,7 +254,7 @@ def test_critic_and_teacher_are_what_the_estimator_uses(name):
     """critic: the advantages need and use the critic's values; teacher: they are
     -kl_coef * (log pi - log pi_teacher) whatever the rewards; neither: rewards move them."""
     spec, (rewards, mask, kw) = ESTIMATORS[name], _inputs(name)
-    grp = ids([0, 0, 0, 1, 1, 2])
+    grp = _groups(name)
     adv, _ = ESTIMATORS[name](rewards, mask, grp, **kw)
     other_values, _ = ESTIMATORS[name](rewards, mask, grp, **{**kw, "values": kw["values"] + 1.0})
     assert spec.critic == (not torch.equal(adv, other_values))
@@ -250,6 +265,39 @@ def test_critic_and_teacher_are_what_the_estimator_uses(name):
     assert spec.teacher == torch.equal(adv, other_rewards)
     if spec.teacher:
         close(adv, (-kw["kl_coef"] * kw["kl"] * mask).tolist())
+
+
+SETTINGS = [(name, k) for name, spec in sorted(ESTIMATORS.items()) for k in spec.settings]
+
+
+@pytest.mark.parametrize("name, setting", SETTINGS, ids=[f"{n}-{k}" for n, k in SETTINGS])
+def test_each_declared_setting_reaches_its_estimator(name, setting):
+    """A setting an entry declares changes its advantages (a flag the function ignores fails),
+    and one out of its bounds is refused."""
+    spec, (rewards, mask, kw) = ESTIMATORS[name], _inputs(name)
+    s = spec.settings[setting]
+    base, _ = spec(rewards, mask, _groups(name), {}, **kw)
+    moved, _ = spec(rewards, mask, _groups(name), {setting: other_value(s)}, **kw)
+    assert not torch.equal(base, moved)
+    for bad in ((s.low - 1) if s.low is not None else None, (s.high + 1) if s.high is not None else None):
+        if bad is not None:
+            with pytest.raises(ValueError, match=f"--{setting} must be"):
+                spec(rewards, mask, _groups(name), {setting: bad}, **kw)
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_an_estimator_takes_only_trainer_inputs_and_its_own_settings(name):
+    """Every keyword of its function is an input the trainer offers or a setting its entry declares
+    (a setting declared in the function alone would never get its flag), and settings of others
+    are refused."""
+    import inspect
+    spec, offered = ESTIMATORS[name], set(estimators.INPUTS)
+    keywords = [p for p in inspect.signature(spec.fn).parameters.values() if p.kind == p.KEYWORD_ONLY]
+    assert {p.name for p in keywords} <= offered | set(spec.settings)
+    assert set(spec.settings) <= {p.name for p in keywords}
+    rewards, mask, kw = _inputs(name)
+    with pytest.raises(ValueError, match="has no setting"):
+        spec(rewards, mask, _groups(name), {"not_a_setting": 1.0}, **kw)
 
 
 def test_errors():

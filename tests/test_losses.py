@@ -1,5 +1,6 @@
 """Hand-computed checks for losses.py. Run: python -m pytest -q tests/test_losses.py"""
 
+import itertools
 import math
 import os
 import socket
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fakes import other_value
 from losses import (IS_LEVELS, IS_MODES, LOSS_AGGS, POLICY_LOSSES, aggregate, entropy, is_weights, kl,
                     policy_loss, token_logprobs, value_loss)
 
@@ -128,19 +130,82 @@ def test_cispo_gradient_only_through_logprobs(eps_low, w, clipped):
 
 # ---------------------------------------------------------------- shared
 
+def _settings(kind):
+    """Every setting the loss declares, away from its default (so each is exercised)."""
+    return {k: other_value(s) for k, s in POLICY_LOSSES[kind].settings.items()}
+
+
 @pytest.mark.parametrize("kind", POLICY_LOSSES)
 def test_masked_positions_zero_even_with_inf(kind):
     inf = float("inf")
     lp = leaf([[-0.5, -inf, -1.0, -inf], [-0.2, -0.4, 60.0, -inf]])
     old = t([[-0.7, -inf, -1.1, 0.0], [-0.3, -0.1, -60.0, -inf]])
     mask = t([[1, 0, 1, 0], [1, 1, 0, 0]])
-    loss, m = policy_loss(kind, lp, old, t([[1.0, 5.0, -1.0, 5.0], [0.5, -0.5, 5.0, 5.0]]), mask,
-                          dual_clip=None if POLICY_LOSSES[kind].no_dual_clip else 3.0)
+    loss, m = policy_loss(kind, lp, old, t([[1.0, 5.0, -1.0, 5.0], [0.5, -0.5, 5.0, 5.0]]), mask, **_settings(kind))
     aggregate(loss, mask, "seq_mean_token_mean").backward()
     assert torch.isfinite(loss).all() and torch.isfinite(lp.grad).all()
     assert (loss[mask == 0] == 0).all() and (lp.grad[mask == 0] == 0).all()
     assert (lp.grad[mask == 1] != 0).any()
     assert all(torch.isfinite(v) for v in m.values())
+
+
+def _random_step(seed=0, B=8, T=12, spread=0.5):
+    """Off-policy inputs: log-ratios ~ N(0, spread), advantages ~ N(0, 1), a ragged mask."""
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(B, T, generator=g) * 3
+    lp = old + spread * torch.randn(B, T, generator=g)
+    mask = (torch.rand(B, T, generator=g) > 0.3).float()
+    return lp, old, torch.randn(B, T, generator=g), mask
+
+
+def _grad(kind, lp, old, adv, mask, **kw):
+    lp = lp.clone().requires_grad_(True)
+    spec = POLICY_LOSSES[kind]
+    eps = spec.eps_clip or (None, 0.0)
+    loss, _ = policy_loss(kind, lp, old, adv, mask, eps_low=eps[0], eps_high=eps[1], **kw)
+    aggregate(loss, mask, spec.loss_agg).backward()
+    return lp.grad
+
+
+@pytest.mark.parametrize("kind", POLICY_LOSSES)
+def test_on_policy_every_loss_gives_the_policy_gradient(kind):
+    """At ratio 1 (the first pass over a batch) a policy loss's gradient is the policy gradient
+    A * grad log pi under its own aggregation: a flipped sign or a scaled gradient fails this."""
+    _, old, adv, mask = _random_step()
+    grad = _grad(kind, old, old, adv, mask, **_settings(kind))
+    expected = _grad("ppo", old, old, adv, mask) if POLICY_LOSSES[kind].loss_agg == "token_mean" else None
+    per_row = mask.sum(1, keepdim=True).clamp(min=1) * mask.shape[0]
+    want = {"token_mean": -adv * mask / mask.sum(), "seq_mean_token_mean": -adv * mask / per_row,
+            "seq_mean_token_sum": -adv * mask / mask.shape[0]}[POLICY_LOSSES[kind].loss_agg]
+    torch.testing.assert_close(grad, want, atol=1e-6, rtol=1e-5)
+    if expected is not None:
+        torch.testing.assert_close(grad, expected)
+
+
+def test_off_policy_each_loss_gives_its_own_gradient():
+    """Off policy (ratios spread around 1) every two losses differ: a copy of another loss, or a
+    loss the dispatcher ignores, fails this."""
+    step = _random_step()
+    grads = {kind: _grad(kind, *step) for kind in POLICY_LOSSES}
+    for a, b in itertools.combinations(grads, 2):
+        assert (grads[a] - grads[b]).abs().max() > 1e-4, f"{a} and {b} give the same gradient"
+
+
+SETTINGS = [(kind, k) for kind, spec in POLICY_LOSSES.items() for k in spec.settings]
+
+
+@pytest.mark.parametrize("kind, setting", SETTINGS, ids=[f"{n}-{k}" for n, k in SETTINGS])
+def test_each_declared_setting_reaches_its_loss(kind, setting):
+    """A setting a loss declares changes its gradient off policy (a flag the function ignores
+    fails), and one out of its bounds is refused."""
+    lp, old, adv, mask = _random_step(spread=2.0)
+    s = POLICY_LOSSES[kind].settings[setting]
+    assert (_grad(kind, lp, old, adv, mask) - _grad(kind, lp, old, adv, mask, **{setting: other_value(s)})).abs().max() > 1e-6
+    for bad in ((s.low - 1) if s.low is not None else None, (s.high + 1) if s.high is not None else None,
+                s.low if s.low_open else None):
+        if bad is not None:
+            with pytest.raises(ValueError, match=f"--{setting} must be"):
+                _grad(kind, lp, old, adv, mask, **{setting: bad})
 
 
 def test_log_ratio_is_clamped():
@@ -155,7 +220,7 @@ def test_policy_loss_errors():
         policy_loss("sapo", x, x, x, x)
     with pytest.raises(ValueError, match="dual_clip must be > 1"):
         policy_loss("ppo", x, x, x, x, dual_clip=0.5)
-    with pytest.raises(ValueError, match="cispo has none to cap"):
+    with pytest.raises(ValueError, match="cispo has no setting dual_clip"):
         policy_loss("cispo", x, x, x, x, dual_clip=3.0)
     with pytest.raises(ValueError, match="ppo needs eps_low"):
         policy_loss("ppo", x, x, x, x, eps_low=None)
@@ -164,13 +229,14 @@ def test_policy_loss_errors():
 @pytest.mark.parametrize("kind", POLICY_LOSSES)
 def test_each_loss_refuses_what_its_entry_refuses(kind):
     spec, x = POLICY_LOSSES[kind], torch.zeros(1, 2)
-    if spec.no_dual_clip:
-        with pytest.raises(ValueError, match=spec.no_dual_clip):
-            policy_loss(kind, x, x, x, x, dual_clip=3.0)
-    if spec.eps_clip[0] is not None:
+    for name in {n for s in POLICY_LOSSES.values() for n in s.settings} - set(spec.settings):
+        with pytest.raises(ValueError, match=f"{kind} has no setting {name}"):
+            policy_loss(kind, x, x, x, x, **{name: 3.0})
+    if spec.eps_clip and spec.eps_clip[0] is not None:
         with pytest.raises(ValueError, match=f"{kind} needs eps_low"):
             policy_loss(kind, x, x, x, x, eps_low=None)
-    policy_loss(kind, x, x, x, x, eps_low=spec.eps_clip[0], eps_high=spec.eps_clip[1])  # its defaults work
+    eps = spec.eps_clip or (None, 0.0)
+    policy_loss(kind, x, x, x, x, eps_low=eps[0], eps_high=eps[1])  # its defaults work
 
 
 # ---------------------------------------------------------------- aggregation

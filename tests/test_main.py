@@ -2,6 +2,8 @@
 
 import pytest
 
+from fakes import other_value
+
 import estimators
 import losses
 import main
@@ -110,23 +112,52 @@ def _validate(tiny_model, argv):
 # estimators.ESTIMATORS); these tests cover every entry, a new one included, with no list to extend.
 
 @pytest.mark.parametrize("name", losses.POLICY_LOSSES)
-def test_each_loss_gets_its_declared_defaults_unless_the_flags_are_given(tiny_model, name):
+def test_each_loss_gets_its_declared_defaults_unless_the_flags_are_given(capsys, tiny_model, name):
     spec = losses.POLICY_LOSSES[name]
     cfg = _validate(tiny_model, ["--loss", name])
-    assert cfg["eps_clip"] == list(spec.eps_clip) and cfg["loss_agg"] == spec.loss_agg
-    cfg = _validate(tiny_model, ["--loss", name, "--eps_clip", "0.1", "0.3", "--loss_agg", "seq_mean_token_sum"])
-    assert cfg["eps_clip"] == [0.1, 0.3] and cfg["loss_agg"] == "seq_mean_token_sum"
+    assert cfg["eps_clip"] == (spec.eps_clip and list(spec.eps_clip)) and cfg["loss_agg"] == spec.loss_agg
+    eps = ["--eps_clip", "0.1", "0.3"]
+    if spec.eps_clip is None:
+        assert "has no clip range: drop --eps_clip" in _err(capsys, ["--model", tiny_model, "--loss", name, *eps])
+        eps = []
+    cfg = _validate(tiny_model, ["--loss", name, *eps, "--loss_agg", "seq_mean_token_sum"])
+    assert cfg["eps_clip"] == ([0.1, 0.3] if eps else None) and cfg["loss_agg"] == "seq_mean_token_sum"
 
 
 @pytest.mark.parametrize("name", losses.POLICY_LOSSES)
-@pytest.mark.parametrize("flags, field", [(["--dual_clip", "3"], "no_dual_clip"),
-                                          (["--train_workers", "2", "--cp_size", "2"], "no_cp")])
-def test_each_loss_refuses_exactly_the_flags_its_entry_refuses(capsys, tiny_model, name, flags, field):
-    why = getattr(losses.POLICY_LOSSES[name], field)
+def test_each_loss_refuses_cp_exactly_when_its_entry_does(capsys, tiny_model, name):
+    why, flags = losses.POLICY_LOSSES[name].no_cp, ["--train_workers", "2", "--cp_size", "2"]
     if why:
         assert why in _err(capsys, ["--model", tiny_model, "--loss", name, *flags])
     else:
         _validate(tiny_model, ["--loss", name, *flags])
+
+
+OWN = [(flag, entry, name) for flag, registry in (("estimator", estimators.ESTIMATORS), ("loss", losses.POLICY_LOSSES))
+       for entry, spec in registry.items() for name in spec.settings]
+
+
+@pytest.mark.parametrize("flag, entry, name", OWN, ids=[f"{e}-{n}" for _, e, n in OWN])
+def test_an_entry_s_own_setting_is_a_flag_checked_by_its_bounds_and_refused_elsewhere(capsys, tiny_model, flag,
+                                                                                      entry, name):
+    s = main.own_settings()[name][0]
+    base = ["--model", tiny_model, f"--{flag}", entry]
+    base += ["--ref_model", tiny_model, "--kl_coef", "0.1"] if flag == "estimator" and \
+        estimators.ESTIMATORS[entry].teacher else []
+    assert f"--{name}" in main.build_parser().format_help()
+    assert _validate(tiny_model, base[2:])[name] == s.default
+    assert _validate(tiny_model, [*base[2:], f"--{name}", str(other_value(s))])[name] == other_value(s)
+    for bad in ((s.low - 1) if s.low is not None else None, (s.high + 1) if s.high is not None else None):
+        if bad is not None:
+            assert f"--{name} must be {s.bounds()}" in _err(capsys, [*base, f"--{name}", str(s.type(bad))])
+    registry = estimators.ESTIMATORS if flag == "estimator" else losses.POLICY_LOSSES
+    others = [e for e, spec in registry.items() if name not in spec.settings]
+    for other in others[:1]:
+        teacher = ["--ref_model", tiny_model, "--kl_coef", "0.1"] if flag == "estimator" and \
+            estimators.ESTIMATORS[other].teacher else []
+        assert f"--{name} is a setting of" in _err(capsys, ["--model", tiny_model, f"--{flag}", other, *teacher,
+                                                            f"--{name}", str(other_value(s))])
+        assert _validate(tiny_model, [f"--{flag}", other, *teacher])[name] is None   # nothing to pass on
 
 
 @pytest.mark.parametrize("name", estimators.ESTIMATORS)
@@ -135,10 +166,10 @@ def test_each_estimator_is_checked_by_its_entry(capsys, tiny_model, name):
     teacher = ["--ref_model", tiny_model, "--kl_coef", "0.1"] if spec.teacher else []
     est = ["--model", tiny_model, "--estimator", name, *teacher]
     _validate(tiny_model, est[2:])
-    if spec.group:
-        assert "needs --samples_per_prompt >= 2" in _err(capsys, [*est, "--samples_per_prompt", "1"])
-    else:
-        _validate(tiny_model, [*est[2:], "--samples_per_prompt", "1"])
+    if spec.min_group > 1:
+        assert f"needs --samples_per_prompt >= {spec.min_group}" in _err(
+            capsys, [*est, "--samples_per_prompt", str(spec.min_group - 1)])
+    _validate(tiny_model, [*est[2:], "--samples_per_prompt", str(spec.min_group)])
     if spec.teacher:
         assert "needs a teacher (--ref_model PATH)" in _err(capsys, ["--model", tiny_model, "--estimator", name])
         assert "already uses the KL as its advantage" in _err(capsys, [*est, "--kl_loss"])
