@@ -23,11 +23,16 @@ const CHANNELS = {
 };
 let channel = CHANNELS[hash.get("channel")] ? hash.get("channel") : "advantage";
 
+const scales = {};
 function scale(name) {  // the page's scale for a channel: max |x| (signed ones), the version range
+  return scales[name] ??= pageScale(name);
+}
+function pageScale(name) {
   const xs = [];
   for (const t of DATA.rollouts) (t.mask || []).forEach((m, j) => { const x = m && CHANNELS[name].value(t, j); if (m && x != null) xs.push(x); });
-  if (name === "version") return {min: Math.min(...xs, 0), max: Math.max(...xs, 0)};
-  const s = Math.max(0, ...xs.map(Math.abs));
+  if (name === "version") return xs.reduce((s, v) => ({min: Math.min(s.min, v), max: Math.max(s.max, v)}),
+                                           {min: xs[0] ?? 0, max: xs[0] ?? 0});
+  const s = xs.reduce((m, x) => Math.max(m, Math.abs(x)), 0);
   return name === "mismatch" ? Math.max(s, 0.05) : s || 1;  // mismatch: below 0.05 nats stays pale
 }
 

@@ -11,6 +11,7 @@ import estimators
 import fakes
 import logs
 import main
+import viewer
 
 FLAKY_AGENT = '''
 from agent import Env, Result
@@ -67,6 +68,12 @@ def test_short_run_trains_logs_and_cleans_up(tiny_model, tmp_path, monkeypatch):
     dropped = [t for trajs in _dumped(tmp_path / "dump", dropped=True) for t in trajs]
     assert len(dropped) == lines[-1]["dropped/error"]
     assert all(d["dropped"] == "error" and d["prompt"].startswith("1") and "agent bug" in d["detail"] for d in dropped)
+    index = viewer.write(out)   # the run's rollouts in the viewer (tests/test_viewer.py checks the pages in a browser)
+    pages = sorted(index.parent.glob("step_*.html"))
+    assert len(pages) == 3 and "agent bug" in index.read_text()
+    first = pages[0].read_text()
+    assert first.count('"reward":') == len(_dumped(tmp_path / "dump")[0])
+    assert first.count('"dropped":"error"') == len(_dumped(tmp_path / "dump", dropped=True)[0])
     assert summary["steps"] == 3
     assert compile_off and all(compile_off)
     # Parameters changed, and the exported folder loads.
