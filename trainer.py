@@ -333,7 +333,7 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
                        **step_metrics(batch, scored, advantages, self.version, self.ref is not None, self.critic is not None))
         if cfg.get("dump_rollouts"):  # what the rollout viewer shows per token, aligned to `tokens` (not predicted)
             rows = lambda v: [[0.0] + [round(x, 5) for x in row[:n]] for row, n in zip(v.tolist(), batch["lengths"].tolist())]
-            metrics["per_token"] = {"advantages": rows(advantages * mask), "trainer_logprobs": rows(old * mask)}
+            metrics["per_token"] = {"advantages": rows(advantages * mask + 0.0), "trainer_logprobs": rows(old * mask + 0.0)}
         return metrics
 
     def _agg(self, x: torch.Tensor, m: torch.Tensor, i: torch.Tensor, batch: dict, step_tokens, step_rows):

@@ -13,7 +13,7 @@ advantage, sampling logprob, train/sample mismatch or policy version (hover: the
 carries its data as JSON and fills a rollout in when it is opened, so large steps stay fast. No
 network: the CSS and JS (assets/viewer.css, assets/viewer.js) are inlined.
 Optional fields, shown when present: `turn_rewards` (per turn), `turns` (each token's turn),
-`parent` (the rollout id a branch continues; its branch point is the shared token prefix).
+`parent` (the rollout id a branch continues) and `branch_turn` (where; else the shared token prefix).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import html
 import json
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -67,13 +68,18 @@ def page(title: str, body: str, data: dict | None = None) -> str:
 
 
 def svg_curve(points: list[tuple[float, float]], label: str, w: int = 300, h: int = 120, dots: bool = False) -> str:
-    """A small inline SVG plot of (x, y) points: a line (or dots), the y range labelled."""
+    """A small inline SVG plot of (x, y) points: a line, or dots (one per step and y bin, sized by its count)."""
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
     sx = lambda x: 30 + (w - 40) * ((x - x0) / (x1 - x0) if x1 > x0 else 0.5)
     sy = lambda y: h - 20 - (h - 40) * ((y - y0) / (y1 - y0) if y1 > y0 else 0.5)
-    marks = ("".join(f"<circle cx='{sx(x):.1f}' cy='{sy(y):.1f}' r='2.5'/>" for x, y in points) if dots else
-             f"<polyline points='{' '.join(f'{sx(x):.1f},{sy(y):.1f}' for x, y in points)}'/>")
+    if dots:  # a 512-rollout step is a few dozen circles, not 512
+        bins = Counter((x, round(40 * (y - y0) / ((y1 - y0) or 1))) for x, y in points)
+        most = max(bins.values())
+        marks = "".join(f"<circle cx='{sx(x):.1f}' cy='{sy(y0 + b * (y1 - y0) / 40):.1f}' r='{1.5 + 3 * (n / most) ** 0.5:.1f}' "
+                        f"data-n='{n}'><title>step {x:g}: {n} rollout(s)</title></circle>" for (x, b), n in bins.items())
+    else:
+        marks = f"<polyline points='{' '.join(f'{sx(x):.1f},{sy(y):.1f}' for x, y in points)}'/>"
     return (f"<figure class='curve'><svg width='{w}' height='{h}' data-metric='{html.escape(label)}'>{marks}"
             f"<text x='2' y='14'>{y1:.4g}</text><text x='2' y='{h - 22}'>{y0:.4g}</text>"
             f"<text x='30' y='{h - 4}'>step {x0:g}</text><text x='{w - 60}' y='{h - 4}'>{x1:g}</text></svg>"

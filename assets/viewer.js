@@ -49,11 +49,12 @@ function token(t, j, texts, sc) {
   return `<span class="s" data-j="${j}" data-id="${id}" data-value="${x ?? ""}"${bg} title="${esc(tip)}">${esc(text) || "∅"}</span>`;
 }
 
-// A rollout's branches: `parent` is the rollout id it continues (or {rollout_id, at} / [id, at]).
-const parentOf = t => t.parent == null ? null : typeof t.parent === "object" ? (Array.isArray(t.parent) ? t.parent[0] : t.parent.rollout_id) : t.parent;
+// A rollout's branches: `parent` is the rollout id (in its group) it continues, `branch_turn` the turn it
+// branched at (its first own token is that turn's first sampled one); without it, the shared token prefix.
+const parentOf = t => t.parent ?? null;
 function branchPoint(t, p) {
-  const given = t.branch_point ?? t.branch_at ?? (typeof t.parent === "object" ? (Array.isArray(t.parent) ? t.parent[1] : t.parent.at) : null);
-  if (given != null) return given;
+  const own = t.branch_turn != null && t.turns ? t.turns.findIndex((k, j) => k === t.branch_turn && t.mask[j]) : -1;
+  if (own >= 0) return own;
   let n = 0;
   while (n < t.tokens.length && n < p.tokens.length && t.tokens[n] === p.tokens[n]) n++;
   return n;

@@ -103,10 +103,11 @@ def run(tiny_model, tiny_tokenizer, tmp_path_factory) -> Path:
     two_turns = traj(tok, "4?9=", [("5", "<|end|><|user|>9?<|end|><|assistant|>"), ("9", None)], 1.0, 0, 0,
                      turn_rewards=[0.0, 1.0])
     branch = traj(tok, "4?9=", [("5", "<|end|><|user|>9?<|end|><|assistant|>"), ("8", None)], 0.0, 0, 1,
-                  turn_rewards=[0.0, 0.0], parent=0)
-    for t in (two_turns, branch):   # each sampled token's turn (-1 elsewhere)
-        runs = [i for i in range(len(t["mask"])) if t["mask"][i] and not t["mask"][i - 1]]
-        t["turns"] = [-1 if not m else sum(j <= i for j in runs) - 1 for i, m in enumerate(t["mask"])]
+                  turn_rewards=[0.0, 0.0], parent=0, branch_turn=1)
+    for t in (two_turns, branch):   # each token's turn: the k-th reply and the prompt/observation before it
+        t["turns"] = [0]
+        for m, before in zip(t["mask"][1:], t["mask"]):
+            t["turns"].append(t["turns"][-1] + (before and not m))
     step2 = [two_turns, branch, traj(tok, "3?7=", [("7", None)], 1.0, 1, 2),
              {**traj(tok, "2?2=", [("2", None)], 1.0, 2, 3), "dropped": "stale"}]
     for name, trajs in (("step_000000.jsonl", step1), ("step_000001.jsonl", step2)):
@@ -201,8 +202,9 @@ def test_index_shows_curves_distribution_best_worst_comparison_and_dropped(chrom
     dom = Dom(browse(chromium, run / "viewer" / "index.html"))
     assert {s["data-metric"] for s in dom.find("svg")} == {"reward_mean", "response_len", "entropy", "mismatch_k3",
                                                             "reward of each rollout, per step"}
-    dots = dom.find("circle")
-    assert len(dots) == 5   # one per trained rollout: 2 + 3
+    dots = sorted((float(c["cy"]), int(c["data-n"])) for c in dom.find("circle"))   # a dot per step and reward bin
+    assert dots[0][0] == dots[1][0] < dots[2][0] == dots[3][0]   # reward 1 above reward 0 (SVG y grows down)
+    assert [n for _, n in dots] == [1, 2, 1, 1]   # reward 1: 1 rollout at step 1, 2 at step 2; reward 0: 1 and 1
     def links(td):   # the rollout links in a cell: the anchors up to the next cell
         after = dom.elements[dom.elements.index(td) + 1:]
         return [a["href"] for a in after[:next(k for k, e in enumerate(after) if e["tag"] == "td")]]
