@@ -102,8 +102,8 @@ def run(tiny_model, tiny_tokenizer, tmp_path_factory) -> Path:
              {"dropped": "error", "group": 1, "prompt": "1?2=", "detail": "Traceback ...\nRuntimeError: agent bug"}]
     two_turns = traj(tok, "4?9=", [("5", "<|end|><|user|>9?<|end|><|assistant|>"), ("9", None)], 1.0, 0, 0,
                      turn_rewards=[0.0, 1.0])
-    branch = traj(tok, "4?9=", [("5", "<|end|><|user|>9?<|end|><|assistant|>"), ("8", None)], 0.0, 0, 1,
-                  turn_rewards=[0.0, 0.0], parent=0, branch_turn=1)
+    branch = traj(tok, "4?9=", [("5", "<|end|><|user|>9?<|end|><|assistant|>"), ("98", None)], 0.0, 0, 1,
+                  turn_rewards=[0.0, 0.0], parent=0, branch_turn=1)   # its turn 2 starts as its parent's
     for t in (two_turns, branch):   # each token's turn: the k-th reply and the prompt/observation before it
         t["turns"] = [0]
         for m, before in zip(t["mask"][1:], t["mask"]):
