@@ -188,6 +188,23 @@ def test_sandbox_refuses_to_run_unconfined(tmp_path, monkeypatch):
         asyncio.run(module.run_python("print('UNCONFINED')"))
 
 
+def test_sandbox_call_returns_whatever_the_snippet_writes():
+    """An endless stream of output (the pipe full when the time limit kills it) still returns
+    at the limit, with a bounded prefix; code the command line cannot carry is a SandboxError."""
+    _, module = load("python_tool.py")
+
+    async def flood():   # the outer bound only keeps a broken build from hanging the suite
+        return await asyncio.wait_for(module.run_python("import os\nwhile True:\n    os.write(1, b'A' * 2**20)",
+                                                        timeout=1.0), 60)
+    out = asyncio.run(flood())
+    assert out.startswith("AAAA") and out.endswith("[killed: exceeded the 1 s time limit]")
+    assert len(out) < 2 * module.MAX_OUTPUT
+    for code in ["print(1)\0", "#" * module.MAX_CODE, "print(1)\n#" + "\u00e9" * (module.MAX_CODE // 2)]:
+        with pytest.raises(module.SandboxError, match="NUL byte or 131072 bytes or more"):
+            asyncio.run(module.run_python(code))
+    assert asyncio.run(module.run_python("#" * (module.MAX_CODE - 200) + "\nprint('fits')")) == "fits\n"
+
+
 def test_python_tool_env_runs_code_then_answers():
     tok = smol_tokenizer()
     cls, module = load("python_tool.py")

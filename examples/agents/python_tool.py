@@ -46,6 +46,7 @@ from agent import Env, Result
 TIMEOUT_S = 5.0
 MEMORY_MB = 512
 MAX_OUTPUT = 4000  # characters of output shown to the model
+MAX_CODE = 128 * 1024   # bytes: one command-line argument holds less (MAX_ARG_STRLEN)
 
 SYSTEM = ("You can run Python. To run code, write it in a ```python code block; you will see what "
           "it prints. When you know the answer, reply with <answer>NUMBER</answer> and nothing else.")
@@ -145,7 +146,10 @@ def sandbox_command(timeout: float, memory_mb: int, root: str, code: str) -> lis
 
 async def run_python(code: str, timeout: float = TIMEOUT_S, memory_mb: int = MEMORY_MB) -> str:
     """Run `code` in the sandbox; returns its stdout and stderr (cut to MAX_OUTPUT) and a
-    note if it was killed for time. Raises SandboxError if the sandbox cannot start."""
+    note if it was killed for time. Raises SandboxError if the sandbox cannot start or `code`
+    cannot be passed to it (a NUL byte, MAX_CODE bytes or more: it goes on the command line)."""
+    if "\0" in code or len(os.fsencode(code)) >= MAX_CODE:
+        raise SandboxError(f"the snippet was not run: it has a NUL byte or {MAX_CODE} bytes or more")
     with tempfile.TemporaryDirectory() as root:   # only a mount point: the tmpfs lives in the namespace
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -156,13 +160,13 @@ async def run_python(code: str, timeout: float = TIMEOUT_S, memory_mb: int = MEM
             raise SandboxError(f"the Python sandbox needs util-linux `unshare` ({e})") from None
         out = bytearray()
 
-        async def drain():
+        async def drain():   # to EOF, whatever comes: a pipe left full would keep proc.wait() waiting
             while chunk := await proc.stdout.read(65536):
                 out.extend(chunk[: max(0, 4 * MAX_OUTPUT + len(READY) - len(out))])  # a bounded prefix
 
-        note = ""
+        note, reader = "", asyncio.ensure_future(drain())
         try:
-            await asyncio.wait_for(drain(), timeout)
+            await asyncio.wait_for(asyncio.shield(reader), timeout)
         except BaseException as e:   # the time limit, or the episode cancelled: end the namespace
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()   # unshare: its death kills the launcher, and the launcher's every process
@@ -170,6 +174,7 @@ async def run_python(code: str, timeout: float = TIMEOUT_S, memory_mb: int = MEM
                 raise
             note = f"\n[killed: exceeded the {timeout:g} s time limit]"
         finally:   # after EOF unshare ends by itself (a kill then would race asyncio's own wait)
+            await reader
             await proc.wait()
     if not out.startswith(READY):
         raise SandboxError("the Python sandbox could not start, so the snippet did not run (it needs Linux "
