@@ -205,6 +205,55 @@ def test_sandbox_call_returns_whatever_the_snippet_writes():
     assert asyncio.run(module.run_python("#" * (module.MAX_CODE - 200) + "\nprint('fits')")) == "fits\n"
 
 
+def _parent_cmdline(p) -> list[str]:
+    import psutil
+    try:
+        return p.parent().cmdline()
+    except (psutil.Error, AttributeError):   # gone meanwhile
+        return []
+
+
+def test_sandbox_carries_the_run_tag_and_ends_without_its_driver():
+    """The driver is killed (-9) while a snippet sleeps: the snippet carries the run's tag (the
+    reaper's handle on it) and ends at its own time limit, with nobody left to kill it."""
+    import os
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    import psutil
+
+    import faults
+    run_id = f"sandbox-test-{uuid.uuid4().hex}"
+    driver = subprocess.Popen([sys.executable, "-c", f"""
+import asyncio, importlib.util
+spec = importlib.util.spec_from_file_location("python_tool", {str(EXAMPLES / "python_tool.py")!r})
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+asyncio.run(module.run_python("import time\\ntime.sleep(90)  # {run_id}", timeout=4.0))
+"""], env={**os.environ, "PYTHONPATH": str(EXAMPLES.parents[1]), faults.TAG: run_id})
+    try:
+        snippet = None
+        for _ in range(600):   # until the snippet runs (set-up done, `python -I snippet.py` exec'd)
+            children = [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [])[1:] == ["-I", "snippet.py"]
+                        and run_id in " ".join(_parent_cmdline(p))]   # its launcher has the code in argv
+            if children:
+                snippet = children[0]
+                break
+            time.sleep(0.05)
+        assert snippet is not None, "the snippet never started"
+        driver.kill()
+        driver.wait()
+        assert snippet.is_running(), "the snippet ended with its driver: nothing left to test"
+        assert snippet.pid in faults.tagged_pids(run_id)
+        gone, alive = psutil.wait_procs([snippet], timeout=30)   # its limit is 4 s (+1 for CPU, +1 for the alarm)
+        assert alive == [], "the snippet outlived its time limit once its driver was gone"
+    finally:
+        driver.kill()
+        faults.reap(run_id, exclude=set(), grace_s=0.0, limit_s=5.0)
+
+
 def test_python_tool_env_runs_code_then_answers():
     tok = smol_tokenizer()
     cls, module = load("python_tool.py")

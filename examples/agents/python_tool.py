@@ -41,6 +41,7 @@ import sys
 import tempfile
 
 from agent import Env, Result
+from faults import TAG
 
 
 TIMEOUT_S = 5.0
@@ -57,9 +58,11 @@ READY = b"\0sandbox ready\n"   # written just before the snippet starts: what fo
 # The launcher: PID 1 of the new namespaces (argv: root folder, code, memory bytes, CPU
 # seconds). Its exit takes every process of the PID namespace with it.
 LAUNCHER = r"""
-import ctypes, os, resource, sys
+import ctypes, os, resource, signal, sys
 root, code, memory, cpu = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 libc = ctypes.CDLL(None, use_errno=True)
+signal.signal(signal.SIGALRM, lambda *_: os._exit(137))   # a handler: PID 1 ignores default-action signals
+signal.alarm(cpu + 1)   # the wall-clock bound holds without the driver (killed, or gone)
 RDONLY, NOSUID, NODEV, REMOUNT, BIND, REC, PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
 KEEP = NOSUID | NODEV | 8 | 1024 | 2048 | 4096   # + noexec, noatime, nodiratime, relatime (locked in a user namespace)
 
@@ -120,8 +123,8 @@ if child == 0:
         if libc.prctl(38, 1, 0, 0, 0) != 0:   # PR_SET_NO_NEW_PRIVS
             raise OSError(ctypes.get_errno(), "cannot set no_new_privs")
         os.write(1, READY)   # set up: what follows is the snippet's
-        os.execve(sys.executable, [sys.executable, "-I", "snippet.py"],
-                  {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp"})
+        os.execve(sys.executable, [sys.executable, "-I", "snippet.py"], {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8",
+                  "HOME": "/tmp", **{k: v for k, v in os.environ.items() if k == TAG}})   # the run's tag
     except BaseException as e:
         os.write(1, f"sandbox set-up failed: {e!r}\n".encode())
     os._exit(127)
@@ -138,7 +141,7 @@ def sandbox_command(timeout: float, memory_mb: int, root: str, code: str) -> lis
     """`unshare` and the launcher; a user namespace maps a non-root caller to root inside,
     where it can mount (the snippet then keeps the caller's own uid, without capabilities)."""
     userns = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
-    launcher = f"NOBODY, READY, in_userns = {NOBODY}, {READY!r}, {bool(userns)}\n" + LAUNCHER
+    launcher = f"NOBODY, READY, in_userns, TAG = {NOBODY}, {READY!r}, {bool(userns)}, {TAG!r}\n" + LAUNCHER
     return ["unshare", "--pid", "--fork", "--kill-child", "--mount", "--net", "--ipc", "--uts", *userns,
             os.path.realpath(sys.executable), "-I", "-c", launcher, root, code, str(memory_mb * 2**20),
             str(int(timeout) + 1)]
@@ -150,10 +153,11 @@ async def run_python(code: str, timeout: float = TIMEOUT_S, memory_mb: int = MEM
     cannot be passed to it (a NUL byte, MAX_CODE bytes or more: it goes on the command line)."""
     if "\0" in code or len(os.fsencode(code)) >= MAX_CODE:
         raise SandboxError(f"the snippet was not run: it has a NUL byte or {MAX_CODE} bytes or more")
+    tag = {k: v for k, v in os.environ.items() if k == TAG}   # the run's, so that its reaper finds the sandbox
     with tempfile.TemporaryDirectory() as root:   # only a mount point: the tmpfs lives in the namespace
         try:
             proc = await asyncio.create_subprocess_exec(
-                *sandbox_command(timeout, memory_mb, root, code), env={"PATH": os.defpath, "LANG": "C.UTF-8"},
+                *sandbox_command(timeout, memory_mb, root, code), env={"PATH": os.defpath, "LANG": "C.UTF-8", **tag},
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT, start_new_session=True)
         except FileNotFoundError as e:
