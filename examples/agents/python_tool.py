@@ -37,7 +37,10 @@ import json
 import os
 import random
 import re
+import secrets
 import sys
+import warnings
+from pathlib import Path
 import tempfile
 
 from agent import Env, Result
@@ -51,7 +54,9 @@ MAX_CODE = 128 * 1024   # bytes: one command-line argument holds less (MAX_ARG_S
 
 SYSTEM = ("You can run Python. To run code, write it in a ```python code block; you will see what "
           "it prints. When you know the answer, reply with <answer>NUMBER</answer> and nothing else.")
-NOBODY = 65534
+UIDS = 2**31   # the snippet runs as UIDS + a random number (when the trainer is root)
+NPROC = 64   # processes per sandbox
+KEYCTL = {"x86_64": 250, "aarch64": 219}   # the keyctl syscall's number
 READY = b"\0sandbox ready\n"   # written just before the snippet starts: what follows is its output
 # (none: set-up failed)
 
@@ -63,6 +68,11 @@ root, code, memory, cpu = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.ar
 libc = ctypes.CDLL(None, use_errno=True)
 signal.signal(signal.SIGALRM, lambda *_: os._exit(137))   # a handler: PID 1 ignores default-action signals
 signal.alarm(cpu + 1)   # the wall-clock bound holds without the driver (killed, or gone)
+for group in GROUPS:   # the sandbox's memory and process limits, for all it will start
+    with open(group + "/cgroup.procs", "w") as f:
+        f.write("0")
+with open("/proc/self/oom_score_adj", "w") as f:   # the machine's OOM killer takes the sandbox first
+    f.write("1000")
 RDONLY, NOSUID, NODEV, REMOUNT, BIND, REC, PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
 KEEP = NOSUID | NODEV | 8 | 1024 | 2048 | 4096   # + noexec, noatime, nodiratime, relatime (locked in a user namespace)
 
@@ -106,9 +116,9 @@ child = os.fork()
 if child == 0:
     try:
         os.setsid()   # its own process group: kill(0) from the snippet stays inside
-        limits = [(resource.RLIMIT_AS, memory), (resource.RLIMIT_CPU, cpu), (resource.RLIMIT_FSIZE, 8 << 20)]
-        if not in_userns:   # nobody's processes, machine-wide (in a user namespace: the caller's, too many)
-            limits.append((resource.RLIMIT_NPROC, 64))
+        # NPROC counts the uid's processes: one uid per sandbox (or, in a user namespace, per namespace)
+        limits = [(resource.RLIMIT_AS, memory), (resource.RLIMIT_CPU, cpu), (resource.RLIMIT_FSIZE, 8 << 20),
+                  (resource.RLIMIT_NPROC, NPROC)]
         for limit, value in limits:
             resource.setrlimit(limit, (value, value))
         for cap in range(64):   # an empty bounding set: nothing regains a capability at exec
@@ -118,8 +128,10 @@ if child == 0:
                 break
         if not in_userns:
             os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
+            os.setgid(UID)
+            os.setuid(UID)
+        if libc.syscall(KEYCTL, 1, None) < 0:   # KEYCTL_JOIN_SESSION_KEYRING: a new, empty one
+            raise OSError(ctypes.get_errno(), "cannot give the snippet a session keyring of its own")
         if libc.prctl(38, 1, 0, 0, 0) != 0:   # PR_SET_NO_NEW_PRIVS
             raise OSError(ctypes.get_errno(), "cannot set no_new_privs")
         os.write(1, READY)   # set up: what follows is the snippet's
@@ -129,6 +141,8 @@ if child == 0:
         os.write(1, f"sandbox set-up failed: {e!r}\n".encode())
     os._exit(127)
 _, status = os.waitpid(child, 0)
+if os.WIFSIGNALED(status):   # e.g. SIGKILL from the OOM killer: the memory limit
+    os.write(1, f"\n[killed by {signal.Signals(os.WTERMSIG(status)).name}]".encode())
 os._exit(os.waitstatus_to_exitcode(status) & 255)
 """
 
@@ -137,14 +151,60 @@ class SandboxError(RuntimeError):
     """The sandbox could not be set up: the snippet did not run."""
 
 
-def sandbox_command(timeout: float, memory_mb: int, root: str, code: str) -> list[str]:
+def sandbox_command(timeout: float, memory_mb: int, root: str, code: str, groups: list[str] = ()) -> list[str]:
     """`unshare` and the launcher; a user namespace maps a non-root caller to root inside,
     where it can mount (the snippet then keeps the caller's own uid, without capabilities)."""
     userns = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
-    launcher = f"NOBODY, READY, in_userns, TAG = {NOBODY}, {READY!r}, {bool(userns)}, {TAG!r}\n" + LAUNCHER
+    uid = UIDS + secrets.randbelow(2**30)   # its own uid: user keyring and process count not shared
+    launcher = (f"UID, READY, in_userns, TAG, GROUPS, NPROC, KEYCTL = {uid}, {READY!r}, {bool(userns)}, {TAG!r}, "
+                f"{groups!r}, {NPROC}, {KEYCTL[os.uname().machine]}\n" + LAUNCHER)
     return ["unshare", "--pid", "--fork", "--kill-child", "--mount", "--net", "--ipc", "--uts", *userns,
             os.path.realpath(sys.executable), "-I", "-c", launcher, root, code, str(memory_mb * 2**20),
             str(int(timeout) + 1)]
+
+
+def sandbox_cgroups(memory_mb: int) -> list[str]:
+    """New memory and pids cgroups for one sandbox, under this process's own (cgroup v2, or v1's two
+    hierarchies); [] where it may not make them (then rlimits alone bound it: see the docstring)."""
+    own = {}
+    for line in Path("/proc/self/cgroup").read_text().splitlines():   # "id:controllers:path"
+        _, names, path = line.split(":", 2)
+        own.update(dict.fromkeys(names.split(","), path))
+    name, memory = f"molt-sandbox-{os.getpid()}-{secrets.token_hex(8)}", memory_mb * 2**20
+    if os.path.exists("/sys/fs/cgroup/cgroup.controllers"):   # v2: one folder, both limits
+        limits = {f"/sys/fs/cgroup{own.get('')}/{name}": {"memory.max": memory, "pids.max": NPROC + 1}}
+    else:   # the memory limit counts shared memory (memfd, tmpfs) too; + 1: the launcher
+        limits = {f"/sys/fs/cgroup/memory{own.get('memory')}/{name}": {"memory.limit_in_bytes": memory},
+                  f"/sys/fs/cgroup/pids{own.get('pids')}/{name}": {"pids.max": NPROC + 1}}
+    made = []
+    try:
+        for folder, values in limits.items():
+            for stale in Path(folder).parent.glob("molt-sandbox-*"):   # left by a driver that was killed
+                if not Path("/proc", stale.name.split("-")[2]).exists():
+                    with contextlib.suppress(OSError):
+                        stale.rmdir()
+            os.mkdir(folder)
+            made.append(folder)
+            for file, value in values.items():
+                Path(folder, file).write_text(str(value))
+        return made
+    except OSError as e:
+        for folder in made:
+            os.rmdir(folder)
+        warnings.warn(f"the Python sandbox gets no cgroup ({e}): its memory is capped per process only")
+        return []
+
+
+async def remove_cgroups(groups: list[str]):
+    for folder in groups:
+        for _ in range(200):   # a killed namespace's processes take a moment to leave
+            try:
+                os.rmdir(folder)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                await asyncio.sleep(0.01)
 
 
 async def run_python(code: str, timeout: float = TIMEOUT_S, memory_mb: int = MEMORY_MB) -> str:
@@ -154,13 +214,15 @@ async def run_python(code: str, timeout: float = TIMEOUT_S, memory_mb: int = MEM
     if "\0" in code or len(os.fsencode(code)) >= MAX_CODE:
         raise SandboxError(f"the snippet was not run: it has a NUL byte or {MAX_CODE} bytes or more")
     tag = {k: v for k, v in os.environ.items() if k == TAG}   # the run's, so that its reaper finds the sandbox
+    groups = sandbox_cgroups(memory_mb)
     with tempfile.TemporaryDirectory() as root:   # only a mount point: the tmpfs lives in the namespace
         try:
             proc = await asyncio.create_subprocess_exec(
-                *sandbox_command(timeout, memory_mb, root, code), env={"PATH": os.defpath, "LANG": "C.UTF-8", **tag},
-                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+                *sandbox_command(timeout, memory_mb, root, code, groups),
+                env={"PATH": os.defpath, "LANG": "C.UTF-8", **tag}, stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
         except FileNotFoundError as e:
+            await remove_cgroups(groups)
             raise SandboxError(f"the Python sandbox needs util-linux `unshare` ({e})") from None
         out = bytearray()
 
@@ -180,6 +242,7 @@ async def run_python(code: str, timeout: float = TIMEOUT_S, memory_mb: int = MEM
         finally:   # after EOF unshare ends by itself (a kill then would race asyncio's own wait)
             await reader
             await proc.wait()
+            await remove_cgroups(groups)
     if not out.startswith(READY):
         raise SandboxError("the Python sandbox could not start, so the snippet did not run (it needs Linux "
                            "PID, mount and network namespaces: root, or unprivileged user namespaces): "
