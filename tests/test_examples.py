@@ -300,7 +300,9 @@ def test_sandbox_limits_memory_and_processes_per_sandbox(path, monkeypatch):
     _, module = load("python_tool.py")
     if path == "non-root path":   # (as root: a user namespace mapping root, the cgroup is the cap)
         monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    if path == "no cgroup" or not module.sandbox_cgroups(1):
+    groups = module.sandbox_cgroups(1)
+    asyncio.run(module.remove_cgroups(groups))
+    if path == "no cgroup" or not groups:
         if path != "no cgroup" or os.geteuid() != 0:
             pytest.skip("no cgroup on this machine (or not root: RLIMIT_NPROC is not per sandbox then)")
         monkeypatch.setattr(module, "sandbox_cgroups", lambda memory_mb: [])
