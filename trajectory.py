@@ -110,8 +110,7 @@ def with_images(messages: list[dict], images: list) -> list[dict]:
 
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool,
             tools: list[dict] | None = None) -> str:
-    """The template's text; special-token strings inside the messages and tools are placeholders
-    there (`as_text`), which `encode` turns into their plain-text ids."""
+    """The template's text, special-token strings of messages and tools as placeholders (`as_text`)."""
     return tokenizer.apply_chat_template(as_text(tokenizer, messages), add_generation_prompt=add_generation_prompt,
                                          tokenize=False, tools=as_text(tokenizer, tools))
 

@@ -6,25 +6,13 @@ its final answer as <answer>N</answer>. A snippet runs in a fresh subprocess
 (`run_python`) and its output comes back as the next observation; the reward is
 1 for the right final answer within `max_turns`, else 0.
 
-The sandbox, per snippet (needs Linux namespaces and util-linux `unshare`; `run_python`
-raises SandboxError naming the cause where they are missing, it never runs a snippet
-unconfined): `unshare` gives it new PID, mount, network, IPC and UTS namespaces. There a
-launcher (PID 1) builds a private root on a 16 MB tmpfs holding only read-only binds of
-/usr, /etc/ld.so.cache, a few /dev nodes and the Python install (its site-packages
-hidden), plus an empty writable /tmp, chroots into it, and forks the snippet as `nobody`
-(from root; as any other user, inside a user namespace as that same user) with no
-capabilities, no_new_privs, a new session and limits on address space, CPU time, file
-size and (as `nobody`) processes. The wall-clock limit (TIMEOUT_S) kills `unshare`, whose
-death kills the launcher, and the launcher's exit kills every process left in the PID
-namespace, however it was started.
-
-What that guarantees: the snippet sees no file of the project, its data or the home
-folder, can write nothing outside its own tmpfs, has no network (no interface is up in
-its namespace), cannot see or signal any process outside its namespace (the agent's and
-the driver's included), and leaves no process behind. What it does not: it is not a VM
-or seccomp filter, so a kernel bug reachable by an unprivileged process is still a way
-out; the installed Python stdlib and /usr are readable (no project data lives there);
-CPU and memory are capped per snippet, not per episode.
+The sandbox, per snippet (`run_python`; it raises SandboxError naming the cause, and never
+runs a snippet unconfined, where Linux namespaces or util-linux `unshare` are missing): new PID,
+mount, network, IPC and UTS namespaces; a launcher (PID 1) joins the sandbox's cgroups, chroots
+into a 16 MB tmpfs of read-only binds (/usr, the Python install less site-packages, a few /dev
+nodes) and forks the snippet under a uid of its own (as root; else in a user namespace), with no
+capabilities, no_new_privs, a fresh session keyring and rlimits. What that guarantees and what it
+does not, with its cost: docs/agent.md, "The sandbox".
 
 Needs a real chat model (the tiny default vocabulary has no letters):
 
@@ -39,9 +27,9 @@ import random
 import re
 import secrets
 import sys
+import tempfile
 import warnings
 from pathlib import Path
-import tempfile
 
 from agent import Env, Result
 from faults import TAG
@@ -55,10 +43,9 @@ MAX_CODE = 128 * 1024   # bytes: one command-line argument holds less (MAX_ARG_S
 SYSTEM = ("You can run Python. To run code, write it in a ```python code block; you will see what "
           "it prints. When you know the answer, reply with <answer>NUMBER</answer> and nothing else.")
 UIDS = 2**31   # the snippet runs as UIDS + a random number (when the trainer is root)
-NPROC = 64   # processes per sandbox
+NPROC = 64   # processes per sandbox (RLIMIT_NPROC counts a uid's: one uid, or user namespace, per sandbox)
 KEYCTL = {"x86_64": 250, "aarch64": 219}   # the keyctl syscall's number
-READY = b"\0sandbox ready\n"   # written just before the snippet starts: what follows is its output
-# (none: set-up failed)
+READY = b"\0sandbox ready\n"   # written just before the snippet starts (none: set-up failed)
 
 # The launcher: PID 1 of the new namespaces (argv: root folder, code, memory bytes, CPU
 # seconds). Its exit takes every process of the PID namespace with it.
@@ -68,11 +55,10 @@ root, code, memory, cpu = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.ar
 libc = ctypes.CDLL(None, use_errno=True)
 signal.signal(signal.SIGALRM, lambda *_: os._exit(137))   # a handler: PID 1 ignores default-action signals
 signal.alarm(cpu + 1)   # the wall-clock bound holds without the driver (killed, or gone)
-for group in GROUPS:   # the sandbox's memory and process limits, for all it will start
-    with open(group + "/cgroup.procs", "w") as f:
-        f.write("0")
-with open("/proc/self/oom_score_adj", "w") as f:   # the machine's OOM killer takes the sandbox first
-    f.write("1000")
+# into the sandbox's cgroups (memory, processes: for all it will start); the OOM killer takes it first
+for path, value in [(group + "/cgroup.procs", "0") for group in GROUPS] + [("/proc/self/oom_score_adj", "1000")]:
+    with open(path, "w") as f:
+        f.write(value)
 RDONLY, NOSUID, NODEV, REMOUNT, BIND, REC, PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
 KEEP = NOSUID | NODEV | 8 | 1024 | 2048 | 4096   # + noexec, noatime, nodiratime, relatime (locked in a user namespace)
 
@@ -116,7 +102,6 @@ child = os.fork()
 if child == 0:
     try:
         os.setsid()   # its own process group: kill(0) from the snippet stays inside
-        # NPROC counts the uid's processes: one uid per sandbox (or, in a user namespace, per namespace)
         limits = [(resource.RLIMIT_AS, memory), (resource.RLIMIT_CPU, cpu), (resource.RLIMIT_FSIZE, 8 << 20),
                   (resource.RLIMIT_NPROC, NPROC)]
         for limit, value in limits:
@@ -152,8 +137,7 @@ class SandboxError(RuntimeError):
 
 
 def sandbox_command(timeout: float, memory_mb: int, root: str, code: str, groups: list[str] = ()) -> list[str]:
-    """`unshare` and the launcher; a user namespace maps a non-root caller to root inside,
-    where it can mount (the snippet then keeps the caller's own uid, without capabilities)."""
+    """`unshare` and the launcher (a non-root caller: in a user namespace, as root there to mount)."""
     userns = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
     uid = UIDS + secrets.randbelow(2**30)   # its own uid: user keyring and process count not shared
     launcher = (f"UID, READY, in_userns, TAG, GROUPS, NPROC, KEYCTL = {uid}, {READY!r}, {bool(userns)}, {TAG!r}, "
@@ -198,13 +182,11 @@ def sandbox_cgroups(memory_mb: int) -> list[str]:
 async def remove_cgroups(groups: list[str]):
     for folder in groups:
         for _ in range(200):   # a killed namespace's processes take a moment to leave
-            try:
+            with contextlib.suppress(OSError):
                 os.rmdir(folder)
+            if not os.path.isdir(folder):
                 break
-            except FileNotFoundError:
-                break
-            except OSError:
-                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)
 
 
 async def run_python(code: str, timeout: float = TIMEOUT_S, memory_mb: int = MEMORY_MB) -> str:
@@ -213,8 +195,7 @@ async def run_python(code: str, timeout: float = TIMEOUT_S, memory_mb: int = MEM
     cannot be passed to it (a NUL byte, MAX_CODE bytes or more: it goes on the command line)."""
     if "\0" in code or len(os.fsencode(code)) >= MAX_CODE:
         raise SandboxError(f"the snippet was not run: it has a NUL byte or {MAX_CODE} bytes or more")
-    tag = {k: v for k, v in os.environ.items() if k == TAG}   # the run's, so that its reaper finds the sandbox
-    groups = sandbox_cgroups(memory_mb)
+    groups, tag = sandbox_cgroups(memory_mb), {k: v for k, v in os.environ.items() if k == TAG}   # for the reaper
     with tempfile.TemporaryDirectory() as root:   # only a mount point: the tmpfs lives in the namespace
         try:
             proc = await asyncio.create_subprocess_exec(
