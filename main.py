@@ -270,6 +270,8 @@ def validate(cfg: dict) -> dict:
     for k, choices in (("estimator", estimators.ESTIMATORS), ("loss", losses.POLICY_LOSSES),
                        ("is_level", losses.IS_LEVELS), ("is_mode", losses.IS_MODES)):
         need(cfg[k] in choices, f"--{k} {cfg[k]!r} is unknown; choose from {', '.join(choices)}")
+    need(0 <= cfg["is_band"][0] <= cfg["is_band"][1] and cfg["is_band"][1] > 0,
+         f"--is_band {cfg['is_band'][0]:g} {cfg['is_band'][1]:g}: need 0 <= LOW <= HIGH and HIGH > 0")
     need(cfg["is_level"] in ("off", "token") or cfg["is_mode"] in ("mask", "reject"),
          f"--is_level {cfg['is_level']} gates whole sequences and needs --is_mode mask or reject")
     for k in ("steps", "prompts_per_step", "samples_per_prompt", "max_new_tokens", "max_len", "micro_batch_size",

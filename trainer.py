@@ -80,10 +80,11 @@ def load_model(path: str) -> torch.nn.Module:
 
 
 def dropout_fields(config) -> dict[str, float]:
-    """The config's non-zero dropout probabilities (its text/vision sub-configs too), by name."""
+    """The config's non-zero dropout probabilities and MoE router jitter (its text/vision sub-configs
+    too), by name: both are noise in train() only."""
     configs = [config, *(getattr(config, k) for k in ("text_config", "vision_config") if hasattr(config, k))]
     return {k: v for c in configs for k, v in vars(c).items()
-            if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0}
+            if ("dropout" in k or "pdrop" in k or "jitter" in k) and isinstance(v, float) and v > 0}
 
 
 def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
@@ -98,8 +99,8 @@ def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
         if isinstance(m, (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
                           torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)):
             m.p = 0.0
-        for k, v in vars(m).items():  # e.g. attention modules' `attention_dropout`, read in forward
-            if "dropout" in k and isinstance(v, float):
+        for k, v in vars(m).items():  # e.g. attention modules' `attention_dropout`, Mixtral's `jitter_noise`
+            if ("dropout" in k or "jitter" in k) and isinstance(v, float):
                 setattr(m, k, 0.0)
     return model
 

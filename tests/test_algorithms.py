@@ -176,6 +176,25 @@ def test_a_checkpoint_with_dropout_trains_with_dropout_off(tiny_model, tmp_path)
     assert json.loads((Path(t.export(str(tmp_path / "export"))) / "config.json").read_text())["attention_dropout"] == 0.5
 
 
+def test_moe_router_jitter_is_off_like_dropout():
+    """Mixtral's router_jitter_noise scales the router's input by random noise in train() only,
+    as dropout does: the trainer turns it off, so a train() forward is the eval() one."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+    from trainer import dropout_fields, without_dropout
+    config = MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+                           num_experts_per_tok=2, router_jitter_noise=0.5)
+    assert dropout_fields(config) == {"router_jitter_noise": 0.5}
+    torch.manual_seed(0)
+    model = without_dropout(MixtralForCausalLM(config))
+    ids = torch.arange(12)[None]
+    with torch.no_grad():
+        scored = model.eval()(ids).logits
+        trained = [model.train()(ids).logits for _ in range(2)]
+    assert all(torch.equal(scored, t) for t in trained)
+
+
 def _two_epochs(model, loss, eps, epochs):
     t = _sgd_trainer(model, loss=loss, ppo_epochs=epochs, **({"eps_clip": eps} if eps else {}))  # else its own
     t.train_step(_signal_trajectories(t))
