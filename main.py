@@ -107,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "the engine's logprobs are then of the truncated distribution, the trainer's of the full one)")
     g.add_argument("--agent_timeout", type=float, default=300.0, help="seconds before a rollout is dropped")
     g.add_argument("--max_failed_groups", type=int, default=100, help="stop the run when this many prompt groups "
-                   "in a row had every rollout fail (with the counts and the last traceback)")
+                   "in a row had every rollout fail or (--filter_groups) all rewards equal (with the counts and the "
+                   "last traceback)")
     g.add_argument("--gpu_memory_utilization", type=float, default=0.5, help="vLLM memory share on GPU")
 
     g = p.add_argument_group("loop")
@@ -119,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--partial_rollout", action="store_true", help="at a weight update keep in-flight requests "
                    "(paused, then resumed under the new weights) instead of letting them finish first")
     g.add_argument("--filter_groups", action="store_true", help="drop groups whose rewards are all equal "
-                   "(no signal) and refill the batch from the pool")
+                   "(no signal) and refill the batch from the pool, up to --max_failed_groups in a row")
     g.add_argument("--eval_every", type=int, default=0, help="evaluate every N steps (0 = never)")
     g.add_argument("--eval_only", action="store_true", help="score the model (or --resume checkpoint) and exit")
     g.add_argument("--eval_dataset", default=None, help="held-out prompts, any --dataset file format (default: --eval_prompts "
