@@ -184,7 +184,6 @@ async def remove_cgroups(groups: list[str]):
         for _ in range(200):   # a killed namespace's processes take a moment to leave
             with contextlib.suppress(OSError):
                 os.rmdir(folder)
-            if not os.path.isdir(folder):
                 break
             await asyncio.sleep(0.01)
 
