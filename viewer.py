@@ -40,10 +40,11 @@ def dump_folder(run: Path, cfg: dict) -> Path:
 
 def load_tokenizer(run: Path, cfg: dict, name: str | None):
     from transformers import AutoTokenizer
-    for path in [name] if name else [run / "final", cfg.get("model")]:
+    for path in [name] if name else [run / "final", cfg.get("export_hf"), cfg.get("model")]:
         if path and (Path(path).is_dir() or name):
             return AutoTokenizer.from_pretrained(path)
-    raise ValueError(f"{run}: no tokenizer found (no final/ and config.json's model is not a folder): pass --tokenizer")
+    raise ValueError(f"{run}: no tokenizer found (no final/, and config.json's export_hf and model are not folders): "
+                     "pass --tokenizer")
 
 
 def prompt_text(t: dict, texts: dict[int, str]) -> str:
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> str:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("run", help="the run's --output_dir (metrics.jsonl, config.json, the dumped rollouts)")
     p.add_argument("--out", default=None, help="where the pages go (default RUN/viewer)")
-    p.add_argument("--tokenizer", default=None, help="to decode token ids (default: RUN/final, else the run's --model)")
+    p.add_argument("--tokenizer", default=None, help="to decode token ids (default: RUN/final, else the run's --export_hf or --model)")
     args = p.parse_args(argv)
     index = write(args.run, args.out, args.tokenizer)
     print(f"wrote {index} (open it in a browser; no network needed)")

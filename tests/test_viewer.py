@@ -225,3 +225,15 @@ def test_screenshot(chromium, run, tmp_path):
     shot = tmp_path / "shot.png"
     browse(chromium, run / "viewer" / "step_000001.html", "#open=0,1", f"--screenshot={shot}", "--window-size=1000,700")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+
+
+def test_a_run_without_dumps_is_refused_and_an_old_dump_says_what_is_missing(tiny_model, tiny_tokenizer, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model": tiny_model}))
+    with pytest.raises(ValueError, match="no step_.*jsonl dumps.*--dump_rollouts"):
+        viewer.write(tmp_path)
+    (tmp_path / "dump").mkdir()
+    old = {k: v for k, v in traj(tiny_tokenizer, "1?2=", [("2", None)], 1.0, 0, 0).items()
+           if k not in ("advantages", "trainer_logprobs")}   # dumped before these fields existed
+    (tmp_path / "dump" / "step_000000.jsonl").write_text(json.dumps(old) + "\n")
+    page = (viewer.write(tmp_path).parent / "step_000000.html").read_text()
+    assert '"missing":["advantages","trainer_logprobs"]' in page
