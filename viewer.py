@@ -109,7 +109,7 @@ def index_body(run: Path, metrics: list[dict], steps: list[tuple[int, list[dict]
                     + f"<td>{len(trajs) - len(kept)}</td></tr>")
         dropped += [f"<tr class='dropped'><td><a href='{f}#open={i}'>{s + 1}</a></td><td>{html.escape(t['dropped'])}</td>"
                     f"<td>{t.get('group', '')}</td><td>{html.escape(prompt_text(t, texts)[-120:])}</td>"
-                    f"<td>{html.escape((t.get('detail') or '').strip().splitlines()[-1:][0] if t.get('detail') else '')}</td></tr>"
+                    f"<td>{html.escape(((t.get('detail') or '').strip().splitlines() or [''])[-1])}</td></tr>"
                     for i, t in enumerate(trajs) if "dropped" in t]
     return (f"<h1>{html.escape(run.resolve().name)}: rollouts</h1><section class='curves'>{curves}{dist}</section>"
             "<h2>Steps</h2><table><tr><th>step</th><th>rollouts</th><th>reward mean</th><th>min</th><th>max</th>"
@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> str:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("run", help="the run's --output_dir (metrics.jsonl, config.json, the dumped rollouts)")
     p.add_argument("--out", default=None, help="where the pages go (default RUN/viewer)")
-    p.add_argument("--tokenizer", default=None, help="to decode token ids (default: RUN/final, else the run's --export_hf or --model)")
+    p.add_argument("--tokenizer", default=None,
+                   help="to decode token ids (default: RUN/final, else the run's --export_hf or --model)")
     args = p.parse_args(argv)
     index = write(args.run, args.out, args.tokenizer)
     print(f"wrote {index} (open it in a browser; no network needed)")
