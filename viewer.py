@@ -94,8 +94,8 @@ def rollout_link(step_file: str, i: int, t: dict) -> str:
 def index_body(run: Path, metrics: list[dict], steps: list[tuple[int, list[dict]]], texts: dict[int, str]) -> str:
     curves = "".join(svg_curve([(m["step"], m[k]) for m in metrics if k in m], k)
                      for k in CURVES if any(k in m for m in metrics))
-    dist = svg_curve([(s + 1, t["reward"]) for s, trajs in steps for t in trajs if "dropped" not in t],
-                     "reward of each rollout, per step", w=620, h=160, dots=True)
+    rewards = [(s + 1, t["reward"]) for s, trajs in steps for t in trajs if "dropped" not in t]
+    dist = svg_curve(rewards, "reward of each rollout, per step", w=620, h=160, dots=True) if rewards else ""
     rows, dropped = [], []
     for s, trajs in steps:
         f = f"step_{s:06d}.html"
