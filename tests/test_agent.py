@@ -99,3 +99,23 @@ def test_sampling_override_may_not_change_the_distribution(tiny_tokenizer, overr
     else:
         with pytest.raises(ValueError, match=f"may not change \\['{next(iter(override))}'\\]"):
             asyncio.run(run)
+
+
+def test_tiny_tokenizer_encodes_unknown_text_as_its_unknown_token_and_its_cache_is_versioned(
+        tiny_tokenizer, tmp_path, monkeypatch):
+    """Text the tiny vocabulary lacks is one unknown token per character, never its end of turn; the
+    default model's cache folder is versioned, so one built by the old tokenizer is not reused."""
+    import main
+    ids = tiny_tokenizer("hello 3?7=", add_special_tokens=False)["input_ids"]
+    unk = tiny_tokenizer.unk_token_id
+    assert unk is not None and unk != tiny_tokenizer.eos_token_id and tiny_tokenizer.eos_token_id not in ids
+    assert ids[:5] == [unk] * 5 and tiny_tokenizer.decode(ids[5:]) == " 3?7="
+    stale = tmp_path / "tiny-qwen3-chars-v1"   # what the old tokenizer left in the cache
+    stale.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (stale / name).write_text("{}")
+    monkeypatch.setenv("MOLT_CACHE", str(tmp_path))
+    cfg = main.validate(vars(main.build_parser().parse_args(["--output_dir", str(tmp_path / "run")])))
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(cfg["model"])
+    assert tok("h", add_special_tokens=False)["input_ids"] == [tok.unk_token_id] != [tok.eos_token_id]
