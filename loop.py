@@ -91,10 +91,10 @@ class RolloutPool:
         try:
             segments = await agents.run_agent(self.cfg, self.agent_cls, row, self.generate.session(), self.tokenizer,
                                        self.server, self.sampling(), thread.call if thread else None)
-        except asyncio.TimeoutError:
+        except agents.AgentTimeout as e:
             stuck = thread is not None and thread.blocked_for() > 1.0  # the agent's code blocks its thread
-            self._drop("timeout", f"rollout exceeded --agent_timeout {self.cfg['agent_timeout']}s"
-                       + (f"; the agent's code is blocking its thread at:\n{thread.stack()}" if stuck else ""))
+            self._drop("timeout", str(e) + (f"; the agent's code is blocking its thread at:\n{thread.stack()}"
+                                            if stuck else ""))
             return []
         except trajectory.DropRollout as e:
             self._drop(e.reason, str(e))

@@ -20,6 +20,7 @@ from _smollm import smol_tokenizer
 from fakes import Recorder, check_token_exact, fake, ids
 from agent import ChatAgent, Result
 from server import ChatServer
+from trajectory import DropRollout
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "agents"
 SAMPLING = {"temperature": 1.0, "max_tokens": 4}
@@ -374,6 +375,13 @@ class NaN(ChatAgent):
         return Result(reward=float("nan"))
 
 
+class TooLong(ChatAgent):
+    async def run(self, ctx):
+        async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "1?2=" * 20}])
+        return Result(reward=1.0)
+
+
 def test_run_chat_agent_errors(server, loop, tiny_tokenizer):
     tok = tiny_tokenizer
 
@@ -384,6 +392,9 @@ def test_run_chat_agent_errors(server, loop, tiny_tokenizer):
         run(Silent(), fake(tok, []))
     with pytest.raises(ValueError, match="non-finite"):
         run(NaN(), fake(tok, ["2"]))
+    with pytest.raises(DropRollout, match="no room for a reply within --max_len 64") as e:   # not trained empty
+        run(TooLong(), fake(tok, []))
+    assert e.value.reason == "prompt_too_long"
 
     async def broken(ids, sampling):
         raise RuntimeError("engine died")

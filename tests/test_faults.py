@@ -18,7 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+import fakes
 import faults
+from agent import Env
 import logs
 import main
 
@@ -182,6 +184,34 @@ def test_agent_thread_keeps_the_loop_free_and_watchdog_names_the_blocker(monkeyp
     reports = asyncio.run(main_())
     assert any("driver's event loop" in r and "block_the_loop_here" in r for r in reports), reports
     assert any("agent thread" in r and "blocking_step" in r for r in reports), reports
+
+
+def test_a_timeout_error_raised_by_agent_code_is_its_error_not_agent_timeout(tiny_model, tiny_tokenizer):
+    """Only the rollout's own --agent_timeout counts as dropped/timeout; a TimeoutError the agent's
+    code raises (its HTTP client, its database) is an agent error like any other."""
+    import loop
+
+    class RaisesTimeout(Env):
+        async def step(self, state):
+            raise TimeoutError("the agent's database timed out")
+
+    class Hangs(Env):
+        async def step(self, state):
+            await asyncio.Event().wait()
+
+    class Engine:
+        def session(self):
+            return fakes.FakeEngine(tiny_tokenizer, ["3"])
+
+        def is_engine_error(self, e):
+            return False
+    cfg = {"model": tiny_model, "max_len": 64, "max_turns": 1, "max_images_per_prompt": None, "agent_timeout": 0.05,
+           "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 4}
+    for cls, reason, said in ((RaisesTimeout, "error", "TimeoutError: the agent's database timed out"),
+                              (Hangs, "timeout", "rollout exceeded --agent_timeout 0.05s")):
+        pool = loop.RolloutPool(cfg, cls, iter([]), Engine(), tiny_tokenizer)
+        assert asyncio.run(pool._rollout(0, {"prompt": "1?2="})) == []
+        assert pool.drops == {reason: 1} and said in pool.last_failure
 
 
 CLIENT = httpx.AsyncClient()   # module level, as LiteLLM keeps its one process-wide client
