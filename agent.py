@@ -76,7 +76,7 @@ class State:
 class _Agent:
     @classmethod
     def prompts(cls, seed: int) -> Iterator[dict]:
-        """Built-in prompt source: an endless iterator of rows {"prompt", "label"}."""
+        """Built-in prompt source: rows {"prompt", "label"} (a finite one is an epoch, asked again with seed + 1)."""
         raise ValueError(f"{cls.__name__} has no built-in prompts: pass --dataset FILE.jsonl")
 
 

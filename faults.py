@@ -238,8 +238,8 @@ class Mailbox:
 
     def post(self, fn: Callable, *args):
         self.items.append((fn, args))
-        if not self.armed:  # appended before this check, so a drain that already began sees it
-            self.armed = True
+        if not self.armed and not self.loop.is_closed():  # closed: a stopped run, nobody is left to tell
+            self.armed = True   # appended before this check, so a drain that already began sees it
             self.loop.call_soon_threadsafe(self._drain)
 
     def _drain(self):

@@ -278,6 +278,25 @@ def test_a_finished_call_is_delivered_while_the_next_call_blocks_the_agent_loop(
         thread.close()
 
 
+def test_a_call_cancelled_after_its_agent_loop_closed_ends_cancelled_not_as_an_error():
+    """Ctrl-C: the loop's `finally` closes the agent threads while the cancelled rollouts unwind. A
+    rollout whose agent loop has closed ends cancelled, not with "Event loop is closed" (which the
+    pool counted and logged as a dropped rollout)."""
+    thread = faults.AgentThread("molt-agent-test")
+
+    async def main_():
+        call = asyncio.ensure_future(thread.call(asyncio.sleep, 60))
+        while not thread.tasks:   # started on the agent loop
+            await asyncio.sleep(0.01)
+        thread.close()
+        thread.thread.join(10)
+        assert thread.loop.is_closed()
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+    asyncio.run(main_())
+
+
 def test_agent_thread_calls_run_there_and_bring_back_results_errors_and_cancellation():
     """Calls cross threads in batches (faults.Mailbox): every caller gets its own result or
     exception, the code runs on the agent thread, and cancelling a caller cancels its task there."""
