@@ -20,7 +20,8 @@ import pytest
 
 import fakes
 import faults
-from agent import Env
+import agent as agents
+from agent import Env, Result
 import logs
 import main
 
@@ -254,16 +255,61 @@ def test_a_module_level_async_client_serves_every_rollout():
     assert asyncio.run(main_()) == [[{"ok": 1}] * 3] * 32
 
 
+class BlockingSteps(Env):
+    """Blocking code written as plain functions: each step waits at a barrier that only N steps
+    running at once can pass (run one at a time, as they were, the barrier breaks)."""
+    barrier: threading.Barrier
+    loops: list
+
+    async def reset(self, row):
+        self.loops.append(threading.current_thread().name)   # async code: on the shared agent loop
+
+    def step(self, state):
+        self.barrier.wait(timeout=20)
+        time.sleep(0.01)   # blocking work, after the barrier
+        return Result(reward=1.0, observation="1", terminated=state.turn == 2)
+
+
+def test_blocking_agent_code_runs_concurrently_and_async_code_shares_one_loop(tiny_tokenizer):
+    n = 8
+    BlockingSteps.barrier, BlockingSteps.loops = threading.Barrier(n), []
+
+    async def main_():
+        threads = faults.AgentThreads()
+
+        async def one():
+            thread = threads.take()   # taken in one burst, as the pool takes them
+            try:
+                return await agents.run_env(BlockingSteps(), {"prompt": "1?2="}, fakes.fake(tiny_tokenizer, ["3"] * 3),
+                                            tiny_tokenizer, sampling={"max_tokens": 4}, max_len=64,
+                                            max_turns=3, call=thread.call)
+            finally:
+                threads.give_back(thread)
+        try:
+            return await asyncio.gather(*[one() for _ in range(n)])
+        finally:
+            threads.close()
+    trajs = asyncio.run(main_())
+    assert [t.info["turns"] for t in trajs] == [3.0] * n      # every turn's N steps passed the barrier together
+    assert BlockingSteps.loops == ["molt-agent-0"] * n         # async code on the one shared loop
+
+
 def test_a_finished_call_is_delivered_while_the_next_call_blocks_the_agent_loop():
     """Rollouts share one agent loop: a call that has finished reaches its caller even when the
     call behind it on that loop blocks it (its outcome must not wait for the loop's next turn)."""
     thread, gate, release = faults.AgentThread("molt-agent-test"), threading.Event(), threading.Event()
 
+    async def blocking(event):   # an async def that blocks its loop (a plain def would get a thread of its own)
+        return event.wait(10)
+
+    async def at_once(fn):   # finishes in its first step: nothing to wait for
+        return fn()
+
     async def main():
-        held = asyncio.ensure_future(thread.call(gate.wait, 10))     # holds the loop while A and B queue
-        a = asyncio.ensure_future(thread.call(lambda: "a"))
-        error = asyncio.ensure_future(thread.call(lambda: {}["missing"]))
-        b = asyncio.ensure_future(thread.call(release.wait, 10))     # blocks the loop until A is delivered
+        held = asyncio.ensure_future(thread.call(blocking, gate))     # holds the loop while A and B queue
+        a = asyncio.ensure_future(thread.call(at_once, lambda: "a"))
+        error = asyncio.ensure_future(thread.call(at_once, lambda: {}["missing"]))
+        b = asyncio.ensure_future(thread.call(blocking, release))     # blocks the loop until A is delivered
         await asyncio.sleep(0)                                        # all four posted
         gate.set()
         assert await a == "a"
