@@ -27,7 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from trajectory import Generate, PrefixRewrite, Trajectory, decode_reply, delta_ids, encode, render, sample
+from trajectory import (Generate, PrefixRewrite, Trajectory, decode_reply, delta_ids, encode, end_ids, render,
+                        sample)
 
 log = logging.getLogger("molt")
 MAX_BODY = 64 * 2**20   # long conversations with images exceed aiohttp's 1 MiB default
@@ -542,7 +543,7 @@ class ChatSession:
         self.rendered = rendered + [{"role": "assistant", "content": sampled}]
         self.tools, self.reply_ids = req.tools, ids
         finish = "length" if cutoff else ("tool_calls" if calls else "stop")
-        shown = ids[:-1] if ids and ids[-1] == self.tokenizer.eos_token_id else ids   # a final end-of-turn aside
+        shown = ids[:-1] if ids and ids[-1] in end_ids(self.tokenizer) else ids   # a final end-of-turn aside
         logprobs = None if req.top_logprobs is None else \
             _token_logprobs(self.tokenizer, shown, out["logprobs"], out.get("top_logprobs"))
         # Streamed one piece per sampled token when the pieces make exactly the text; else whole (tool calls,

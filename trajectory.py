@@ -131,9 +131,24 @@ def prompt_messages(prompt: Any) -> list[dict]:
     raise ValueError(f"a prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
 
 
+@functools.lru_cache(maxsize=16)
+def end_ids(tokenizer) -> frozenset[int]:
+    """The ids that end a turn, those vLLM stops on: the tokenizer's eos and every eos id of the model's
+    generation_config (its config's when it has none). Gemma-it ends turns with <end_of_turn>, not <eos>."""
+    from transformers import AutoConfig, GenerationConfig
+    try:
+        eos = GenerationConfig.from_pretrained(tokenizer.name_or_path).eos_token_id
+    except OSError:
+        try:
+            eos = GenerationConfig.from_model_config(AutoConfig.from_pretrained(tokenizer.name_or_path)).eos_token_id
+        except (OSError, ValueError):
+            eos = None
+    return frozenset({tokenizer.eos_token_id, *([eos] if isinstance(eos, int) else eos or [])} - {None})
+
+
 def decode_reply(tokenizer, token_ids: list[int]) -> str:
     """The reply as the model wrote it, special tokens included, less a final end-of-turn."""
-    if token_ids and token_ids[-1] == tokenizer.eos_token_id:
+    if token_ids and token_ids[-1] in end_ids(tokenizer):
         token_ids = token_ids[:-1]
     return tokenizer.decode(token_ids, skip_special_tokens=False)
 
@@ -158,9 +173,9 @@ def delta_ids(tokenizer, messages: list[dict], reply_ids: list[int], new: list[d
                             "sampled; an Env needs a template that only appends (a ChatAgent "
                             "gets a new segment instead)")
     tail = closed[len(before) + len(reply):]            # e.g. "<|im_end|>\n"
-    eos = tokenizer.eos_token
-    if reply_ids and reply_ids[-1] == tokenizer.eos_token_id and eos and tail.startswith(eos):
-        tail = tail[len(eos):]                           # the model sampled it already
+    end = tokenizer.decode(reply_ids[-1:]) if reply_ids and reply_ids[-1] in end_ids(tokenizer) else ""
+    if end and tail.startswith(end):
+        tail = tail[len(end):]                           # the model sampled it already
     full = render(tokenizer, messages + new, True, tools)
     if not full.startswith(closed):
         raise PrefixRewrite("the chat template re-renders earlier turns when the conversation "

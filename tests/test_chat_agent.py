@@ -360,6 +360,48 @@ def test_bad_requests_get_4xx_json_and_the_server_lives_on(server, loop, tiny_to
     check_token_exact(segs, rec.calls)
 
 
+def test_a_turn_end_other_than_the_tokenizers_eos_ends_the_turn_everywhere(tiny_model, tmp_path, server, loop):
+    """Gemma-it ends turns with <end_of_turn>, an eos id of its generation_config but not its tokenizer's
+    eos, and vLLM stops on it: the Env reads the reply without it, the trace holds it once, and an SDK
+    client gets neither it as content nor its logprob."""
+    import shutil
+    from transformers import AutoTokenizer
+    from trajectory import render
+    folder = tmp_path / "turn-end"
+    shutil.copytree(tiny_model, folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.eos_token = "<|tool|>"   # the tokenizer's eos; the template ends turns with <|end|> (id 0)
+    tok.save_pretrained(folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_token_id, 0]}))
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert tok.eos_token_id != 0 and tok.convert_ids_to_tokens(0) == "<|end|>"
+    seen = []
+
+    class TwoTurns(agents.Env):
+        max_turns = 2
+
+        async def step(self, state):
+            seen.append(state.action)
+            return Result(reward=1.0, observation="1", terminated=False)
+    traj = loop.run_until_complete(agents.run_env(TwoTurns(), {"prompt": "1?2="}, fake(tok, [ids(tok, "7") + [0],
+                                                                                             ids(tok, "8") + [0]]),
+                                                  tok, sampling=SAMPLING, max_len=64))
+    assert seen == ["7", "8"]
+    talk = [{"role": "user", "content": "1?2="}, {"role": "assistant", "content": "7"},
+            {"role": "user", "content": "1"}, {"role": "assistant", "content": "8"}]
+    assert traj.tokens == ids(tok, render(tok, talk, False))   # each turn's end once, where the template puts it
+
+    class Ask(ChatAgent):
+        async def run(self, ctx):
+            async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+                r = await client.chat.completions.create(model="m", messages=ctx.messages, logprobs=True)
+            seen.append((r.choices[0].message.content, len(r.choices[0].logprobs.content)))
+            return Result(reward=1.0)
+    loop.run_until_complete(agents.run_chat_agent(Ask(), {"prompt": "1?2="}, fake(tok, [ids(tok, "7") + [0]]), tok,
+                                                  server, sampling=SAMPLING, max_len=64))
+    assert seen[-1] == ("7", 1)
+
+
 # ----------------------------------------------------------- run_chat_agent and load_agent
 
 
