@@ -471,6 +471,8 @@ class ChatSession:
         self.requests = 0
         self.truncated = False
         self.error: BaseException | None = None   # a generate failure, re-raised by run_chat_agent
+        self.closed = False
+        self.in_flight: set[asyncio.Task] = set()   # requests waiting for their sample
 
     def _uris(self, messages: list[dict]) -> list[str]:
         images = [p["image"] for m in messages if isinstance(m["content"], list)   # canonical image parts, in order
@@ -520,11 +522,15 @@ class ChatSession:
         images = (new_images if delta is prompt else self.segments[-1].images + new_images)
         sampling = {**self.sampling, "max_tokens": limit, **({"stop": req.stop} if req.stop else {}),
                     **({"top_logprobs": req.top_logprobs} if req.top_logprobs else {})}
+        _need(not self.closed, "this rollout has ended")
+        self.in_flight.add(task := asyncio.current_task())
         try:
             out = await sample(self.generate, prompt, images, sampling, self.image_tokens)
         except Exception as e:
             self.error = e
             raise
+        finally:
+            self.in_flight.discard(task)
         ids = list(out["token_ids"])
         if delta is prompt:
             self.segments.append(Trajectory(tokens=[], mask=[], logprobs=[], versions=[], reward=0.0))
@@ -750,7 +756,8 @@ class ChatServer:
         app.router.add_route("*", "/{tail:.*}", self._not_found)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))   # a free port, loopback only
-        self._runner = web.AppRunner(app, access_log=None)
+        # A client that disconnects (a timeout, a cancelled call) cancels its request: its reply is never trained.
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         await web.SockSite(self._runner, sock).start()
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -771,8 +778,13 @@ class ChatServer:
         return session
 
     def close_session(self, sid: str) -> list[Trajectory]:
-        """Forget the session; its segments in order (later requests to it get 404)."""
-        return self.sessions.pop(sid).segments
+        """Forget the session; its segments in order (later requests to it get 404). Its requests in
+        flight are cancelled: nothing changes the rollout once it is handed back."""
+        session = self.sessions.pop(sid)
+        session.closed = True
+        for task in session.in_flight:
+            task.cancel()
+        return session.segments
 
     async def _reply(self, session: ChatSession, api: str, body: dict) -> dict | list[Event]:
         """The response (a JSON object, or SSE events when streamed) to one parsed body."""

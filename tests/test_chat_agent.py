@@ -7,6 +7,10 @@ ids where a test needs exact control: SmolLM2's real ChatML template with tools,
 prefix rewrites, retries, the context clamp, bad requests."""
 
 import asyncio
+import collections
+import contextlib
+import functools
+import itertools
 import json
 from pathlib import Path
 
@@ -400,6 +404,57 @@ def test_a_turn_end_other_than_the_tokenizers_eos_ends_the_turn_everywhere(tiny_
     loop.run_until_complete(agents.run_chat_agent(Ask(), {"prompt": "1?2="}, fake(tok, [ids(tok, "7") + [0]]), tok,
                                                   server, sampling=SAMPLING, max_len=64))
     assert seen[-1] == ("7", 1)
+
+
+class Abandons(ChatAgent):
+    """Abandons its first call while it samples (as an SDK timeout or a cancelled race does), is answered
+    by its second, and ends with a third still in flight (its client still open)."""
+
+    def __init__(self, events):
+        self.events = events
+
+    async def run(self, ctx):
+        ev = self.events
+        self.client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        ask = functools.partial(self.client.chat.completions.create, model="m")
+        first = asyncio.ensure_future(ask(messages=ctx.messages))
+        await ev["sampling 0"].wait()
+        first.cancel()   # the SDK closes the connection: the server must not train what it never delivered
+        with contextlib.suppress(asyncio.TimeoutError):   # (a bound only for today's code, which never cancels)
+            await asyncio.wait_for(ev["cancelled 0"].wait(), 30)
+        ev["release 0"].set()
+        reply = (await ask(messages=ctx.messages)).choices[0].message.content
+        self.third = asyncio.ensure_future(ask(messages=ctx.messages + [{"role": "assistant", "content": reply},
+                                                                       {"role": "user", "content": "1"}]))
+        await ev["sampling 2"].wait()
+        return Result(reward=1.0)
+
+
+def test_a_reply_never_delivered_is_not_trained_and_a_returned_rollout_never_changes(server, loop, tiny_tokenizer):
+    tok = tiny_tokenizer
+    events = collections.defaultdict(asyncio.Event)
+    replies = ["9", "5", "7"]
+
+    async def generate(prompt, sampling):
+        n = 3 - len(replies)
+        reply = ids(tok, replies.pop(0)) + [tok.eos_token_id]
+        events[f"sampling {n}"].set()
+        try:
+            await events[f"release {n}"].wait() if n != 1 else None
+        except asyncio.CancelledError:
+            events[f"cancelled {n}"].set()
+            raise
+        return {"token_ids": reply, "logprobs": [-0.5] * len(reply), "version": 1, "finish_reason": "stop"}
+    agent = Abandons(events)
+    segments = loop.run_until_complete(agents.run_chat_agent(agent, {"prompt": "1?2="}, generate, tok, server,
+                                                             sampling=SAMPLING, max_len=64))
+    handed = [list(s.tokens) for s in segments]
+    assert len(handed) == 1 and tok.decode(list(itertools.compress(handed[0], segments[0].mask))) == "5<|end|>"
+    events["release 2"].set()   # the call left in flight could now finish: it must not reach the rollout
+    loop.run_until_complete(asyncio.wait([agent.third], timeout=30))
+    loop.run_until_complete(agent.client.close())
+    assert [list(s.tokens) for s in segments] == handed
+    assert agent.third.done() and events["cancelled 2"].is_set()   # the engine request was cancelled too
 
 
 # ----------------------------------------------------------- run_chat_agent and load_agent
