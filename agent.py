@@ -162,26 +162,20 @@ OVERRIDES: dict[str, Callable[[Any], bool]] = {
     "seed": lambda v: v is None or type(v) is int,
     "ignore_eos": lambda v: isinstance(v, bool),
     "stop": lambda v: isinstance(v, list) and all(isinstance(s, str) and s for s in v),
-    **dict.fromkeys(("temperature", "top_p", "top_k"), lambda v: True),   # at the run's values only (below)
 }
 
 
 def _override(params: dict, new: dict | None) -> dict:
     """An Env's sampling override for its next turn, checked here: a bad one drops the rollout
     (`dropped/sampling_params`) before the engine sees it. The trainer scores every token with the run's
-    --temperature and the full softmax, so keys that change the sampling distribution are refused."""
-    new = {} if new is None else new
-    bad = {k: v for k, v in new.items() if not OVERRIDES.get(k, lambda v: False)(v)} \
+    --temperature and the full softmax, so temperature/top_p/top_k may only repeat the run's values."""
+    new, run = {} if new is None else new, {"top_p": 1.0, "top_k": -1, **params}
+    bad = {k: v for k, v in new.items() if not (OVERRIDES[k](v) if k in OVERRIDES else k in run and v == run[k])} \
         if isinstance(new, dict) else new
     if bad:
         raise DropRollout("sampling_params", f"Result.sampling_params {bad!r} refused: a dict that may set "
-                          f"{', '.join(OVERRIDES)} (max_tokens a positive int, stop a list of strings)")
-    changed = sorted(k for k in ("temperature", "top_p", "top_k") if k in new
-                     and new[k] != params.get(k, {"top_p": 1.0, "top_k": -1}.get(k)))
-    if changed:
-        raise DropRollout("sampling_params", f"Result.sampling_params may not change {changed}: the trainer scores "
-                          "tokens with the run's --temperature and the full distribution, so the IS weights and the "
-                          "policy gradient would be wrong; set --temperature / --top_p for the whole run")
+                          f"{', '.join(OVERRIDES)} (max_tokens a positive int, stop a list of strings), not the "
+                          "sampling distribution (set --temperature / --top_p for the whole run)")
     return new
 
 
@@ -250,12 +244,11 @@ async def run_chat_agent(agent: ChatAgent, row: dict, generate: Generate, tokeni
     reward = float(result.reward)
     if not math.isfinite(reward):
         raise ValueError(f"agent returned a non-finite reward {result.reward!r}")
-    if not segments and session.truncated:
-        raise DropRollout("prompt_too_long", f"{type(agent).__name__}'s requests left no room for a reply within "
-                          f"--max_len {max_len}")
     if not segments:
-        raise ValueError(f"{type(agent).__name__} made no model request: call the API at ctx.base_url (OpenAI) "
-                         "or ctx.anthropic_base_url (Anthropic)")
+        raise DropRollout("prompt_too_long", f"{type(agent).__name__}'s requests left no room for a reply within "
+                          f"--max_len {max_len}") if session.truncated else ValueError(
+            f"{type(agent).__name__} made no model request: call the API at ctx.base_url (OpenAI) "
+            "or ctx.anthropic_base_url (Anthropic)")
     info = {k: float(v) for k, v in result.info.items()}
     info.update(segments=float(len(segments)), requests=float(session.requests))
     if session.truncated:
@@ -264,10 +257,6 @@ async def run_chat_agent(agent: ChatAgent, row: dict, generate: Generate, tokeni
         seg.reward, seg.info = reward, dict(info)
         seg.score = reward if result.score is None else float(result.score)
     return segments
-
-
-class AgentTimeout(Exception):
-    """A rollout ran past --agent_timeout."""
 
 
 async def run_agent(cfg: dict, agent_cls: type, row: dict, generate, tokenizer, server, sampling: dict,
@@ -287,7 +276,7 @@ async def run_agent(cfg: dict, agent_cls: type, row: dict, generate, tokenizer, 
             result = await run
     except TimeoutError:
         if deadline.expired():   # ours; a TimeoutError the agent's own code raised is its error
-            raise AgentTimeout(f"rollout exceeded --agent_timeout {cfg['agent_timeout']}s") from None
+            raise DropRollout("timeout", f"rollout exceeded --agent_timeout {cfg['agent_timeout']}s") from None
         raise
     return result if isinstance(result, list) else [result]
 

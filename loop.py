@@ -91,13 +91,10 @@ class RolloutPool:
         try:
             segments = await agents.run_agent(self.cfg, self.agent_cls, row, self.generate.session(), self.tokenizer,
                                        self.server, self.sampling(), thread.call if thread else None)
-        except agents.AgentTimeout as e:
-            stuck = thread is not None and thread.blocked_for() > 1.0  # the agent's code blocks its thread
-            self._drop("timeout", str(e) + (f"; the agent's code is blocking its thread at:\n{thread.stack()}"
-                                            if stuck else ""))
-            return []
-        except trajectory.DropRollout as e:
-            self._drop(e.reason, str(e))
+        except trajectory.DropRollout as e:   # a timeout names the code that blocks the agent's thread, if any
+            stuck = e.reason == "timeout" and thread is not None and thread.blocked_for() > 1.0
+            self._drop(e.reason, str(e) + (f"; the agent's code is blocking its thread at:\n{thread.stack()}"
+                                           if stuck else ""))
             return []
         except Exception as e:  # the agent's bug loses only this rollout
             if self.generate.is_engine_error(e):

@@ -471,8 +471,7 @@ class ChatSession:
         self.requests = 0
         self.truncated = False
         self.error: BaseException | None = None   # a generate failure, re-raised by run_chat_agent
-        self.closed = False
-        self.in_flight: set[asyncio.Task] = set()   # requests waiting for their sample
+        self.in_flight: set[asyncio.Task] | None = set()   # requests waiting for their sample (None: closed)
 
     def _uris(self, messages: list[dict]) -> list[str]:
         images = [p["image"] for m in messages if isinstance(m["content"], list)   # canonical image parts, in order
@@ -522,7 +521,7 @@ class ChatSession:
         images = (new_images if delta is prompt else self.segments[-1].images + new_images)
         sampling = {**self.sampling, "max_tokens": limit, **({"stop": req.stop} if req.stop else {}),
                     **({"top_logprobs": req.top_logprobs} if req.top_logprobs else {})}
-        _need(not self.closed, "this rollout has ended")
+        _need(self.in_flight is not None, "this rollout has ended")
         self.in_flight.add(task := asyncio.current_task())
         try:
             out = await sample(self.generate, prompt, images, sampling, self.image_tokens)
@@ -530,7 +529,7 @@ class ChatSession:
             self.error = e
             raise
         finally:
-            self.in_flight.discard(task)
+            (self.in_flight or set()).discard(task)   # None once closed
         ids = list(out["token_ids"])
         if delta is prompt:
             self.segments.append(Trajectory(tokens=[], mask=[], logprobs=[], versions=[], reward=0.0))
@@ -781,9 +780,9 @@ class ChatServer:
         """Forget the session; its segments in order (later requests to it get 404). Its requests in
         flight are cancelled: nothing changes the rollout once it is handed back."""
         session = self.sessions.pop(sid)
-        session.closed = True
         for task in session.in_flight:
             task.cancel()
+        session.in_flight = None   # closed: it samples nothing more
         return session.segments
 
     async def _reply(self, session: ChatSession, api: str, body: dict) -> dict | list[Event]:

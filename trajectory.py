@@ -17,8 +17,10 @@ re-renders earlier turns (an Env cannot continue; a ChatAgent starts a new segme
 """
 
 import functools
+import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 
@@ -161,15 +163,10 @@ def prompt_messages(prompt: Any) -> list[dict]:
 @functools.lru_cache(maxsize=16)
 def end_ids(tokenizer) -> frozenset[int]:
     """The ids that end a turn, those vLLM stops on: the tokenizer's eos and every eos id of the model's
-    generation_config (its config's when it has none). Gemma-it ends turns with <end_of_turn>, not <eos>."""
-    from transformers import AutoConfig, GenerationConfig
-    try:
-        eos = GenerationConfig.from_pretrained(tokenizer.name_or_path).eos_token_id
-    except OSError:
-        try:
-            eos = GenerationConfig.from_model_config(AutoConfig.from_pretrained(tokenizer.name_or_path)).eos_token_id
-        except (OSError, ValueError):
-            eos = None
+    generation_config.json (else config.json, as vLLM reads them). Gemma-it ends turns with <end_of_turn>."""
+    files = [f for f in (Path(tokenizer.name_or_path) / n for n in ("generation_config.json", "config.json"))
+             if f.is_file()]
+    eos = json.loads(files[0].read_text()).get("eos_token_id") if files else None
     return frozenset({tokenizer.eos_token_id, *([eos] if isinstance(eos, int) else eos or [])} - {None})
 
 
