@@ -92,13 +92,10 @@ class RolloutPool:
         try:
             segments = await agents.run_agent(self.cfg, self.agent_cls, row, self.generate.session(), self.tokenizer,
                                        self.server, self.sampling(), thread.call if thread else None)
-        except asyncio.TimeoutError:
-            stuck = thread is not None and thread.blocked_for() > 1.0  # the agent's code blocks its thread
-            self._drop("timeout", f"rollout exceeded --agent_timeout {self.cfg['agent_timeout']}s"
-                       + (f"; the agent's code is blocking its thread at:\n{thread.stack()}" if stuck else ""), group, row)
-            return []
-        except trajectory.DropRollout as e:
-            self._drop(e.reason, str(e), group, row)
+        except trajectory.DropRollout as e:   # a timeout names the code that blocks the agent's thread, if any
+            stuck = e.reason == "timeout" and thread is not None and thread.blocked_for() > 1.0
+            self._drop(e.reason, str(e) + (f"; the agent's code is blocking its thread at:\n{thread.stack()}"
+                                           if stuck else ""), group, row)
             return []
         except Exception as e:  # the agent's bug loses only this rollout
             if self.generate.is_engine_error(e):

@@ -36,8 +36,9 @@ import parallel
 import sync
 import vision
 
-TINY_SPECIALS = ["<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
+TINY_SPECIALS = ["<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|unk|>"]
 TINY_CHARS = list("0123456789?=+-*, ")
+TINY_CACHE = "tiny-qwen3-chars-v2"   # the folder under $MOLT_CACHE; v1's tokenizer encoded unknown characters as eos
 TINY_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
@@ -53,10 +54,10 @@ def build_tiny_model(path: str, seed: int = 0) -> str:
     if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
         return str(out)
     vocab = {t: i for i, t in enumerate(TINY_SPECIALS + TINY_CHARS)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|end|>"))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|unk|>"))   # never the eos: text is never control tokens
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one char, one token
     tok.decoder = decoders.Fuse()
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>", pad_token="<|end|>",
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>", pad_token="<|end|>", unk_token="<|unk|>",
                                      chat_template=TINY_TEMPLATE)
     hf_tok.add_special_tokens({"additional_special_tokens": TINY_SPECIALS[1:]})
     config = Qwen3Config(vocab_size=len(vocab), hidden_size=64, intermediate_size=256,
