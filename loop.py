@@ -120,7 +120,7 @@ class RolloutPool:
             log.warning("dropped a rollout (%s):\n%s", reason, detail)
 
     def keep_dropped(self, reason: str, records: list[dict]):
-        if self.cfg["dump_rollouts"]:
+        if self.cfg.get("dump_rollouts"):
             self.dropped += [{**r, "dropped": reason} for r in records]
 
     def sampling(self) -> dict:
