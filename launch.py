@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from unittest import mock
 
+import psutil
+
 import agent as agents
 import evaluation
 import faults
@@ -56,17 +58,22 @@ def start_ray(cfg: dict):
         local = {"num_cpus": max(os.cpu_count() or 1, cfg["train_workers"] + (cfg["num_engines"] or 0))}
     else:
         local = {"runtime_env": {"env_vars": env}}
-    # "local": a new local cluster, never one found in /tmp/ray/ray_current_cluster (a stale file
-    # there made ray.init retry a dead GCS for minutes, deaf to Ctrl-C and SIGTERM)
-    with mock.patch.object(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", cfg["ray_address"] is not None):
+    # gloo's pairs (trainer ranks, weight sync) listen where the hostname resolves: in a local run's processes
+    # (they inherit the environment at ray.init), the loopback interface instead
+    loopback = [n for n, addrs in psutil.net_if_addrs().items() if any(a.address == "127.0.0.1" for a in addrs)]
+    gloo = {} if cfg["ray_address"] or "GLOO_SOCKET_IFNAME" in os.environ else {"GLOO_SOCKET_IFNAME": loopback[0]}
+    with mock.patch.object(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", cfg["ray_address"] is not None), \
+            mock.patch.dict(os.environ, gloo):
+        # "local": a new local cluster, never one found in /tmp/ray/ray_current_cluster (a stale file
+        # there made ray.init retry a dead GCS for minutes, deaf to Ctrl-C and SIGTERM)
         ray.init(address=cfg["ray_address"] or "local", include_dashboard=False, logging_level=logging.WARNING,
                  log_to_driver=cfg["verbose"], **local)
     faults.catch_stop_signals()  # ray.init sets a SIGTERM handler of its own (sys.exit): ours again
-    where = ray.util.get_node_ip_address()
-    print(f"ray: {'a local cluster' if cfg['ray_address'] is None else 'joined ' + cfg['ray_address']}, "
-          f"GCS at {ray.get_runtime_context().gcs_address}; this node's Ray processes, trainer ranks and weight "
-          f"sync listen on {where}" + (" only (loopback)" if cfg["ray_address"] is None else "")
-          + f"; Ray authentication: {os.environ.get('RAY_AUTH_MODE', 'Ray default')}", file=sys.stderr)
+    gcs, auth = ray.get_runtime_context().gcs_address, os.environ.get("RAY_AUTH_MODE", "Ray's default")
+    print(f"ray: a local cluster, GCS at {gcs}: Ray, trainer ranks, engines and weight sync listen on "
+          f"{ray.util.get_node_ip_address()} only (loopback), Ray authentication {auth}" if cfg["ray_address"] is None
+          else f"ray: joined {cfg['ray_address']}, GCS at {gcs}, this node {ray.util.get_node_ip_address()}: Ray "
+          f"listens as the cluster was started (every interface), authentication {auth}", file=sys.stderr)
     return ray
 
 
