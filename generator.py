@@ -71,9 +71,9 @@ class Generator:
         self.kv = {}  # --kv_cache_gb, or on CPU (vLLM-CPU's own default: a share of the machine) sized here
         if kv_gb or not torch.cuda.is_available() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             import psutil
-            engines_here = len([n for n in cpu_slot[0] if n == cpu_slot[0][cpu_slot[1]]]) if cpu_slot else 1
+            here = cpu_slot[0].count(cpu_slot[0][cpu_slot[1]]) if cpu_slot else 1  # engines on this node
             self.kv = kv_cache_bytes(config.get_text_config(), dtype, max_len, min(kv_seqs or max_seqs, max_seqs),
-                                     psutil.virtual_memory().available // engines_here, kv_gb)
+                                     psutil.virtual_memory().available // here, kv_gb)
 
         args = AsyncEngineArgs(
             model=model, dtype=dtype, max_model_len=max_len, seed=seed,
