@@ -69,11 +69,10 @@ def start_ray(cfg: dict):
         ray.init(address=cfg["ray_address"] or "local", include_dashboard=False, logging_level=logging.WARNING,
                  log_to_driver=cfg["verbose"], **local)
     faults.catch_stop_signals()  # ray.init sets a SIGTERM handler of its own (sys.exit): ours again
-    gcs, auth = ray.get_runtime_context().gcs_address, os.environ.get("RAY_AUTH_MODE", "Ray's default")
-    print(f"ray: a local cluster, GCS at {gcs}: Ray, trainer ranks, engines and weight sync listen on "
-          f"{ray.util.get_node_ip_address()} only (loopback), Ray authentication {auth}" if cfg["ray_address"] is None
-          else f"ray: joined {cfg['ray_address']}, GCS at {gcs}, this node {ray.util.get_node_ip_address()}: Ray "
-          f"listens as the cluster was started (every interface), authentication {auth}", file=sys.stderr)
+    at = f"GCS at {ray.get_runtime_context().gcs_address}, authentication {os.environ.get('RAY_AUTH_MODE', 'on')}"
+    print(f"ray: a local cluster ({at}): Ray, trainer ranks, engines and weight sync listen on 127.0.0.1 only"
+          if cfg["ray_address"] is None else f"ray: joined {cfg['ray_address']} ({at}): Ray listens on every "
+          f"interface, this node as {ray.util.get_node_ip_address()}", file=sys.stderr)
     return ray
 
 

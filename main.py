@@ -107,8 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "the engine's logprobs are then of the truncated distribution, the trainer's of the full one)")
     g.add_argument("--agent_timeout", type=float, default=300.0, help="seconds before a rollout is dropped")
     g.add_argument("--max_failed_groups", type=int, default=100, help="stop the run when this many prompt groups "
-                   "in a row had every rollout fail or (--filter_groups) all rewards equal (with the counts and the "
-                   "last traceback)")
+                   "in a row gave nothing to train (all rollouts failed, or equal rewards with --filter_groups)")
     g.add_argument("--gpu_memory_utilization", type=float, default=0.5, help="vLLM memory share on GPU")
 
     g = p.add_argument_group("loop")

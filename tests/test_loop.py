@@ -79,7 +79,7 @@ def test_short_run_trains_logs_and_cleans_up(tiny_model, tmp_path, monkeypatch, 
     exposed = {(n, ip, port) for n, ip, port in listeners if ip not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")}
     assert not exposed, f"listening beyond loopback: {exposed}"
     err = capfd.readouterr().err
-    assert "listen on 127.0.0.1 only (loopback)" in err, err
+    assert "weight sync listen on 127.0.0.1 only" in err, err
     assert "engine 0 KV cache: " in err and "sequences of --max_len 256 (the run keeps 16 in flight here)" in err
     # Parameters changed, and the exported folder loads.
     start = load_file(f"{tiny_model}/model.safetensors")
