@@ -52,7 +52,7 @@ class Generator:
                  partial_rollout: bool = False, tp_size: int = 1, dp_size: int = 1,
                  expert_parallel: bool = False, spec_decode: str | None = None, spec_tokens: int = 3,
                  max_images: int = 8, trust_remote_code: bool = False, max_seqs: int = 1024, kv_seqs: int = 0,
-                 cpu_slot: tuple[list[str], int] | None = None):
+                 kv_gb: float | None = None, cpu_slot: tuple[list[str], int] | None = None):
         self.threads = None  # the engine core's OpenMP threads on CPU (said at start-up)
         if cpu_slot is not None:  # our cores and threads, counted on our node, before vLLM starts
             os.environ.update(cpu_engine_env(*cpu_slot, tp_size=tp_size))
@@ -68,15 +68,12 @@ class Generator:
 
         config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
         vlm = hasattr(config, "vision_config")
-        kv = {}
-        if not torch.cuda.is_available() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-            # vLLM-CPU's own default is a share of the machine's memory: give it the KV of the
-            # full-length sequences the run keeps in flight (kv_seqs, else max_seqs), 64 MiB - 1 GiB.
-            text = config.get_text_config()
-            head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-            per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * (4 if dtype == "float32" else 2)
-            seqs = min(kv_seqs or max_seqs, max_seqs)
-            kv["kv_cache_memory_bytes"] = min(1 << 30, max(64 << 20, seqs * max_len * per_token))
+        self.kv = {}  # --kv_cache_gb, or on CPU (vLLM-CPU's own default: a share of the machine) sized here
+        if kv_gb or not torch.cuda.is_available() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            import psutil
+            here = cpu_slot[0].count(cpu_slot[0][cpu_slot[1]]) if cpu_slot else 1  # engines on this node
+            self.kv = kv_cache_bytes(config.get_text_config(), dtype, max_len, min(kv_seqs or max_seqs, max_seqs),
+                                     psutil.virtual_memory().available // here, kv_gb)
 
         args = AsyncEngineArgs(
             model=model, dtype=dtype, max_model_len=max_len, seed=seed,
@@ -89,7 +86,8 @@ class Generator:
             # a placement group vLLM would otherwise pick its Ray executor and ask for GPUs again.
             distributed_executor_backend="mp" if tp_size > 1 else None,
             enable_expert_parallel=expert_parallel,
-            max_num_seqs=max_seqs, max_num_batched_tokens=max(8192, max_len), **kv,
+            max_num_seqs=max_seqs, max_num_batched_tokens=max(8192, max_len),
+            **({"kv_cache_memory_bytes": self.kv["bytes"]} if self.kv else {}),
             disable_log_stats=True,   # vLLM's per-step stats and Prometheus loggers: nothing here reads them
             speculative_config=speculative_config(spec_decode, spec_tokens),
             trust_remote_code=trust_remote_code,
@@ -248,8 +246,9 @@ class Generator:
         await self.generate([0, 1, 2], {"max_tokens": 2, "temperature": 1.0})
         return self.version
 
-    def omp_threads(self) -> int | None:
-        return self.threads
+    def facts(self) -> tuple[int | None, dict]:
+        """For the start-up lines: OpenMP threads on CPU (else None), the KV cache sized here ({} if vLLM's)."""
+        return self.threads, self.kv
 
     def take_busy_seconds(self) -> float:
         """Seconds with requests in flight since the last call (for idle metrics)."""
@@ -454,9 +453,22 @@ def start_engines(cfg: dict) -> Engines:
             spec_decode=cfg["spec_decode"], spec_tokens=cfg["spec_tokens"],
             max_images=cfg["max_images_per_prompt"], trust_remote_code=cfg["trust_remote_code"],
             max_seqs=cfg["engine_max_seqs"], kv_seqs=-(-cfg.get("rollout_in_flight", 0) * cfg["samples_per_prompt"] // n),
+            kv_gb=cfg.get("kv_cache_gb"),
             cpu_slot=None if gpus else (nodes, i, trainers_here, overlap, cfg.get("engine_threads"))))
     return Engines(actors, cfg["check_weight_sync"], broadcast=cfg["weight_sync"] == "broadcast",
                    workers_per_engine=per_engine)
+
+
+def kv_cache_bytes(text, dtype: str, max_len: int, seqs: int, available: int, gb: float | None = None) -> dict:
+    """An engine's KV cache: `gb` (--kv_cache_gb) if given, else the KV of the `seqs` full-length
+    sequences the run keeps in flight on it, within half of this engine's share of the free
+    memory, and never under one sequence (vLLM refuses to start below it). `text`: the model's
+    text config (one without num_key_value_heads has one KV head per attention head)."""
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    one = max_len * 2 * text.num_hidden_layers * kv_heads * head_dim * (4 if dtype == "float32" else 2)
+    size = int(gb * 2**30) if gb else max(one, min(seqs * one, available // 2))
+    return {"bytes": size, "sequences": size // one, "wanted": seqs, "capped": not gb and size < seqs * one}
 
 
 def cpu_engine_env(nodes: list[str], i: int, trainers: int, overlap: bool, threads: int | None = None,

@@ -17,6 +17,9 @@ import os
 import sys
 import time
 from pathlib import Path
+from unittest import mock
+
+import psutil
 
 import agent as agents
 import evaluation
@@ -44,7 +47,9 @@ def start_ray(cfg: dict):
            "VLLM_CONFIGURE_LOGGING": os.environ.get("VLLM_CONFIGURE_LOGGING", "1"),
            faults.TAG: os.environ[faults.TAG]}  # on a cluster, the actors' tag comes only from here
     if cfg["ray_address"] is None:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local cluster
+        # A private local cluster, on loopback only (Ray's mode for a laptop, node ip 127.0.0.1; its GCS,
+        # raylet, agents and workers otherwise listen on every interface): so its auth can stay off.
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         # Its processes inherit the driver's environment: a runtime_env would cost each worker ~1 s
         # (its own worker pool, set up by Ray's runtime-env agent), on set-up's critical path.
         os.environ.update(env)
@@ -53,11 +58,21 @@ def start_ray(cfg: dict):
         local = {"num_cpus": max(os.cpu_count() or 1, cfg["train_workers"] + (cfg["num_engines"] or 0))}
     else:
         local = {"runtime_env": {"env_vars": env}}
-    # "local": a new local cluster, never one found in /tmp/ray/ray_current_cluster (a stale file
-    # there made ray.init retry a dead GCS for minutes, deaf to Ctrl-C and SIGTERM)
-    ray.init(address=cfg["ray_address"] or "local", include_dashboard=False, logging_level=logging.WARNING,
-             log_to_driver=cfg["verbose"], **local)
+    # gloo's pairs (trainer ranks, weight sync) listen where the hostname resolves: in a local run's processes
+    # (they inherit the environment at ray.init), the loopback interface instead
+    loopback = [n for n, addrs in psutil.net_if_addrs().items() if any(a.address == "127.0.0.1" for a in addrs)]
+    gloo = {} if cfg["ray_address"] or "GLOO_SOCKET_IFNAME" in os.environ else {"GLOO_SOCKET_IFNAME": loopback[0]}
+    with mock.patch.object(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", cfg["ray_address"] is not None), \
+            mock.patch.dict(os.environ, gloo):
+        # "local": a new local cluster, never one found in /tmp/ray/ray_current_cluster (a stale file
+        # there made ray.init retry a dead GCS for minutes, deaf to Ctrl-C and SIGTERM)
+        ray.init(address=cfg["ray_address"] or "local", include_dashboard=False, logging_level=logging.WARNING,
+                 log_to_driver=cfg["verbose"], **local)
     faults.catch_stop_signals()  # ray.init sets a SIGTERM handler of its own (sys.exit): ours again
+    at = f"GCS at {ray.get_runtime_context().gcs_address}, authentication {os.environ.get('RAY_AUTH_MODE', 'on')}"
+    print(f"ray: a local cluster ({at}): Ray, trainer ranks, engines and weight sync listen on 127.0.0.1 only"
+          if cfg["ray_address"] is None else f"ray: joined {cfg['ray_address']} ({at}): Ray listens on every "
+          f"interface, this node as {ray.util.get_node_ip_address()}", file=sys.stderr)
     return ray
 
 
@@ -133,14 +148,22 @@ def run_tagged(cfg: dict) -> dict:
 
 
 def say_threads(cfg: dict, trainer, engines) -> None:
-    """Say on stderr the threads each trainer rank and CPU engine computes with (parallel.cpu_threads)."""
+    """Say on stderr the threads each trainer rank and CPU engine computes with (parallel.cpu_threads),
+    and each engine's KV cache (generator.kv_cache_bytes)."""
     import ray
     ranks = ray.get([w.torch_threads.remote() for w in trainer.workers])
-    cpu_engines = [t for t in ray.get([a.omp_threads.remote() for a in engines.actors]) if t] if engines else []
+    facts = ray.get([a.facts.remote() for a in engines.actors]) if engines else []
+    cpu_engines = [t for t, _ in facts if t]
     how = ("async: trainer and engines compute at once, on shares of the cores" if cfg["async_depth"]
            else "on-policy: each phase takes the cores while the other waits")
     print(f"threads: trainer rank(s) {ranks} (torch)" + (f", engine(s) {cpu_engines} (OpenMP)" if cpu_engines else "")
           + f"; {how}; override with --train_threads / --engine_threads", file=sys.stderr)
+    for i, (_, kv) in enumerate(facts):
+        if kv:
+            print(f"engine {i} KV cache: {kv['bytes'] / 2**30:.2f} GiB, {kv['sequences']} sequences of --max_len "
+                  f"{cfg['max_len']} (the run keeps {kv['wanted']} in flight here"
+                  + ("; capped at half the free memory" if kv["capped"] else "") + "); set it with --kv_cache_gb",
+                  file=sys.stderr)
 
 
 def wait_ready(cfg: dict, refs: list):

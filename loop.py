@@ -54,6 +54,8 @@ class RolloutPool:
         self.generate, self.tokenizer = generate, tokenizer
         self.done: asyncio.Queue = asyncio.Queue()
         self.started = 0          # groups started so far
+        self.pending: set[int] = set()  # rows started and not yet taken by collect (a checkpoint saves them)
+        self.next_row = 0         # one past the highest row index started (a checkpoint saves it)
         self.refill = 0           # extra groups allowed to replace dropped ones
         self.tasks: set[asyncio.Task] = set()
         self.drops: Counter = Counter()
@@ -68,8 +70,10 @@ class RolloutPool:
         """Start groups until `allowed` (+ refills) have started or the pool is full."""
         while (self.started < allowed + self.refill
                and len(self.tasks) < self.cfg["rollout_in_flight"]):
-            row = next(self.rows)
-            task = asyncio.create_task(self._group(self.started, row))
+            i, row = next(self.rows)  # a group's id is its row's index in the prompt source
+            self.pending.add(i)
+            self.next_row = max(self.next_row, i + 1)
+            task = asyncio.create_task(self._group(i, row))
             self.tasks.add(task)
             task.add_done_callback(self._finished)
             self.started += 1
@@ -151,6 +155,7 @@ async def collect(pool: RolloutPool, cfg: dict, version: int, first_step: bool, 
         group = await pool.done.get()
         if isinstance(group, BaseException):
             raise group  # an engine failure: stop with its error
+        pool.pending.discard(group["group"])
         rewards = [t.reward for t in group["trajectories"]]
         oldest = oldest_token(group["trajectories"])
         if rewards and oldest is not None and policy - oldest > K:
@@ -192,12 +197,21 @@ async def collect(pool: RolloutPool, cfg: dict, version: int, first_step: bool, 
     return groups
 
 
+def resumed_rows(source, start: dict):
+    """(index, row) from the prompt source, from the loop state `start`: first the rows a checkpointed
+    run had started but not yet taken (in flight, or finished and waiting: lost with its process),
+    then those it never started."""
+    source, pending = iter(source), set(start.get("rows_pending", ()))
+    head = [(i, row) for i, row in enumerate(itertools.islice(source, start["rows_started"])) if i in pending]
+    return itertools.chain(head, zip(itertools.count(start["rows_started"]), source))
+
+
 async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, tokenizer, on_step,
                 start: dict) -> list[dict]:
     """The loop itself, from the state `start` (fresh or a checkpoint). Returns the per-step metrics."""
     out = Path(cfg["output_dir"])
     client = engines
-    rows = itertools.islice(data.prompt_source(cfg, agent_cls), start["rows_started"], None)
+    rows = resumed_rows(data.prompt_source(cfg, agent_cls), start)
     server = None
     if client is not None and issubclass(agent_cls, agents.ChatAgent):
         server = ChatServer(tool_parser=cfg["tool_parser"], reasoning_parser=cfg["reasoning_parser"])  # for SDKs
@@ -208,6 +222,7 @@ async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, to
     history = []
     threads = faults.AgentThreads()  # agent code runs off this loop, on one shared loop (another while it blocks)
     pool = RolloutPool(cfg, agent_cls, rows, client, tokenizer, server, threads)
+    pool.next_row = start["rows_started"]
     watchdog = faults.Watchdog(asyncio.get_running_loop(), threads).start()
     faults.cancel_on_stop(asyncio.current_task())  # a stop signal cancels the loop: every finally runs
     try:
@@ -268,7 +283,7 @@ async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, to
                 faults.set_phase(f"step {step + 1} (checkpointing)")
                 await logs.save_checkpoint(out, lambda folder: trainer.call("save_checkpoint", folder),
                                            {"step": step + 1, "version": version,
-                                            "rows_started": start["rows_started"] + pool.started},
+                                            "rows_started": pool.next_row, "rows_pending": sorted(pool.pending)},
                                            cfg["keep_checkpoints"])
     finally:
         faults.cancel_on_stop(None)

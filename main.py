@@ -107,8 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "the engine's logprobs are then of the truncated distribution, the trainer's of the full one)")
     g.add_argument("--agent_timeout", type=float, default=300.0, help="seconds before a rollout is dropped")
     g.add_argument("--max_failed_groups", type=int, default=100, help="stop the run when this many prompt groups "
-                   "in a row had every rollout fail or (--filter_groups) all rewards equal (with the counts and the "
-                   "last traceback)")
+                   "in a row gave nothing to train (all rollouts failed, or equal rewards with --filter_groups)")
     g.add_argument("--gpu_memory_utilization", type=float, default=0.5, help="vLLM memory share on GPU")
 
     g = p.add_argument_group("loop")
@@ -146,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--engine_ep", action="store_true", help="expert parallelism inside each engine (MoE)")
     g.add_argument("--engine_max_seqs", type=int, default=1024, help="sequences one engine runs at once (vLLM's "
                    "max_num_seqs; its own default of 128 makes a 512-rollout step take four waves)")
+    g.add_argument("--kv_cache_gb", type=float, default=None, help="KV cache of each engine in GiB (default on CPU: "
+                   "the full-length sequences the run keeps in flight per engine, within half the free memory; on "
+                   "GPU: --gpu_memory_utilization; said at start-up)")
     g.add_argument("--engine_threads", type=int, default=None, help="OpenMP threads of each CPU engine (default: "
                    "its node's cores, shared among the engines there; with --async_depth >= 1 a share beside the "
                    "trainer ranks; said at start-up)")
@@ -282,7 +284,7 @@ def validate(cfg: dict) -> dict:
         need(cfg[k] is None or cfg[k] >= 1, f"--{k} must be >= 1, got {cfg[k]}")
     need(cfg["async_depth"] >= 0, f"--async_depth must be >= 0, got {cfg['async_depth']}")
     for k, op, bound in (("kl_coef", ">=", 0), ("reward_clip", ">", 0), ("lr", ">", 0), ("agent_timeout", ">", 0),
-                         ("eval_every", ">=", 0), ("save_every", ">=", 0),
+                         ("eval_every", ">=", 0), ("save_every", ">=", 0), ("kv_cache_gb", ">", 0),
                          ("eval_temperature", ">=", 0), ("keep_checkpoints", ">=", 1), ("max_failed_groups", ">=", 1),
                          ("micro_batch_tokens", ">=", 1), ("max_images_per_prompt", ">=", 1)):   # None: not set
         need(cfg[k] is None or (cfg[k] > bound if op == ">" else cfg[k] >= bound), f"--{k} must be {op} {bound}")

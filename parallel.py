@@ -29,6 +29,7 @@ Tested by tests/test_parallel.py (every layout against one process) and tests/te
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import socket
 import types
@@ -133,6 +134,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def tcp_store(host: str, port: int, world: int, is_master: bool, timeout) -> dist.TCPStore:
+    """torch's TCPStore at host:port. Its server listens on every address of the host, unless given
+    a socket: a loopback `host` (a local run) gets one bound there, so a local run exposes nothing."""
+    local = is_master and ipaddress.ip_address(host).is_loopback
+    return dist.TCPStore(host, port, world, is_master=is_master, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=socket.create_server((host, port)).detach() if local else None)
+
+
 # ---- placement on a Ray cluster ---------------------------------------------------------------
 PLACEMENT_TIMEOUT_S = 600  # a cluster that cannot hold the run says so at start-up instead of waiting forever
 
@@ -230,7 +239,8 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
                           RANK=str(rank), WORLD_SIZE=str(world_size))
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
+        store = tcp_store(master_addr, master_port, world_size, rank == 0, dist.constants.default_pg_timeout)
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=store,
                                 rank=rank, world_size=world_size)
     return device_type
 

@@ -128,7 +128,7 @@ def weight_sync_group(host: str, port: int, rank: int, world: int, device: torch
     own). Returns the backend object: nccl on GPU, gloo on CPU."""
     import torch.distributed as dist
     try:
-        store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=JOIN_TIMEOUT, wait_for_workers=False)
+        store = parallel.tcp_store(host, port, world, rank == 0, JOIN_TIMEOUT)
     except (RuntimeError, TimeoutError) as e:   # torch raises DistStoreError, a RuntimeError
         raise RuntimeError(f"weight-sync group: rank {rank} could not reach the trainer's store at {host}:{port} "
                            f"within {JOIN_TIMEOUT}: every engine node must reach the trainer's node on ephemeral "

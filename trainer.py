@@ -97,8 +97,7 @@ def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
             for k in dropout_fields(sub):
                 setattr(sub, k, 0.0)
     for m in model.modules():
-        if isinstance(m, (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
-                          torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)):
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd):  # Dropout, Dropout1d-3d, AlphaDropout, ...
             m.p = 0.0
         for k, v in vars(m).items():  # e.g. attention modules' `attention_dropout`, Mixtral's `jitter_noise`
             if ("dropout" in k or "jitter" in k) and isinstance(v, float):

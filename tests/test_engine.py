@@ -283,3 +283,25 @@ def test_broadcast_weight_sync_matches_the_trainer(engine, trainer, loop, tiny_t
     assert got["missing"] == [] and engine.version == trainer.version
     worst, mean = _gap(trainer, _sample(engine, loop, tiny_tokenizer))
     assert mean < 1e-4 and worst < 1e-3, (mean, worst)
+
+
+def test_kv_cache_holds_what_the_run_keeps_in_flight_within_free_memory():
+    """generator.kv_cache_bytes: the KV of the sequences in flight (no fixed cap: SmolLM2-1.7B's
+    shape in fp32 needs 1.5 GiB for one 4096-token sequence, over the old 1 GiB cap), within half
+    the free memory, never under one sequence; --kv_cache_gb wins; a config without
+    num_key_value_heads (OPT) has one KV head per attention head."""
+    from transformers import LlamaConfig, OPTConfig
+    from generator import kv_cache_bytes
+    GiB = 2**30
+    smol = LlamaConfig(hidden_size=2048, num_attention_heads=32, num_key_value_heads=32, num_hidden_layers=24)
+    one = 4096 * 2 * 24 * 32 * 64 * 4   # tokens x (K and V) x layers x KV heads x head dim x fp32
+    kv = kv_cache_bytes(smol, "float32", 4096, seqs=32, available=100 * GiB)
+    assert (kv["bytes"], kv["sequences"], kv["capped"]) == (32 * one, 32, False)
+    kv = kv_cache_bytes(smol, "float32", 4096, seqs=32, available=10 * GiB)
+    assert (kv["bytes"], kv["sequences"], kv["capped"]) == (5 * GiB, 3, True)
+    assert kv_cache_bytes(smol, "float32", 4096, seqs=32, available=GiB)["bytes"] == one
+    assert kv_cache_bytes(smol, "bfloat16", 4096, seqs=32, available=100 * GiB)["bytes"] == 16 * one
+    assert kv_cache_bytes(smol, "float32", 4096, seqs=32, available=GiB, gb=2.5)["bytes"] == int(2.5 * GiB)
+    opt = OPTConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2)
+    assert getattr(opt, "num_key_value_heads", None) is None
+    assert kv_cache_bytes(opt, "float32", 256, seqs=8, available=GiB)["bytes"] == 8 * 256 * 2 * 2 * 4 * 16 * 4

@@ -37,12 +37,26 @@ class Flaky(Env):
 SMALL = ["--prompts_per_step", "4", "--samples_per_prompt", "4", "--max_new_tokens", "3", "--quiet"]
 
 
-def test_short_run_trains_logs_and_cleans_up(tiny_model, tmp_path, monkeypatch):
-    compile_off = []
+def listening(procs) -> set[tuple]:
+    """(process name, address, port) of every socket these processes listen on."""
+    found = set()
+    for p in procs:
+        try:
+            found |= {(p.name(), c.laddr.ip, c.laddr.port) for c in p.net_connections(kind="inet")
+                      if c.status == psutil.CONN_LISTEN}
+        except psutil.Error:   # ended meanwhile
+            pass
+    return found
+
+
+def test_short_run_trains_logs_and_cleans_up(tiny_model, tmp_path, monkeypatch, capfd):
+    compile_off, listeners = [], set()
 
     async def record(engines, version):   # on CPU the engine is eager: torch.compile only cost start-up
         compile_off.append(await engines.actors[0].__ray_call__.remote(
             lambda gen: __import__("torch")._dynamo.config.disable))   # read in a thread of Ray's
+        # The run is up (Ray, engine, two trainer ranks, weight sync): what does it listen on?
+        listeners.update(listening([psutil.Process(), *psutil.Process().children(recursive=True)]))
     _hooks(monkeypatch, before_update=record)
     agent = tmp_path / "flaky.py"
     agent.write_text(FLAKY_AGENT)
@@ -76,6 +90,13 @@ def test_short_run_trains_logs_and_cleans_up(tiny_model, tmp_path, monkeypatch):
     assert first.count('"dropped":"error"') == len(_dumped(tmp_path / "dump", dropped=True)[0])
     assert summary["steps"] == 3
     assert compile_off and all(compile_off)
+    # A local run listens on loopback only (Ray's GCS, raylet, agents, workers; gloo; the weight-sync store).
+    assert {name for name, _, _ in listeners} >= {"gcs_server", "raylet"}, listeners
+    exposed = {(n, ip, port) for n, ip, port in listeners if ip not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")}
+    assert not exposed, f"listening beyond loopback: {exposed}"
+    err = capfd.readouterr().err
+    assert "weight sync listen on 127.0.0.1 only" in err, err
+    assert "engine 0 KV cache: " in err and "sequences of --max_len 256 (the run keeps 16 in flight here)" in err
     # Parameters changed, and the exported folder loads.
     start = load_file(f"{tiny_model}/model.safetensors")
     final = load_file(out / "final" / "model.safetensors")
@@ -130,12 +151,17 @@ def test_async_partial_rollout_checkpoint_resume_and_replay(tiny_model, tmp_path
     assert [c.name for c in ckpts] == ["step_000002"]  # retention kept the last one
     state = json.loads((ckpts[0] / "loop.json").read_text())
     assert state["step"] == 2 and state["version"] == 2 and state["rows_started"] >= 8
+    # Depth 1 keeps a step's groups in flight past the checkpoint: the state names them (a group's id is its row).
+    trained = {t["group"] for step in _dumped(dump) for t in step}
+    assert len(state["rows_pending"]) == 4 and not trained & set(state["rows_pending"])
 
     # A checkpoint that died mid-write (no rename) is ignored.
     (out / "checkpoints" / "step_000003.tmp").mkdir()
     assert logs.complete_checkpoints(out) == ckpts
 
-    main.main([*common, "--steps", "3", "--resume", "--save_every", "1"])
+    main.main([*common, "--steps", "3", "--resume", "--save_every", "1", "--dump_rollouts", str(tmp_path / "dump2")])
+    # Strictly on-policy now, step 3 starts 4 groups: the rows that were in flight, started again.
+    assert {t["group"] for t in _dumped(tmp_path / "dump2")[0]} == set(state["rows_pending"])
     lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3]
     assert lines[2]["version"] == 3 and lines[2]["staleness"] == 0.0
@@ -310,3 +336,12 @@ def test_estimators_with_extra_models_run_through_the_real_loop(tiny_model, tmp_
     # the extra model is there and used: a critic's values, loss and optimizer step, or the KL to the teacher
     keys = ("value_mean", "value_loss", "critic_grad_norm") if spec.critic else ("ref_kl_k3",)
     assert all(k in m for m in lines for k in keys)
+
+
+def test_resumed_rows_start_the_rows_in_flight_at_the_checkpoint_first():
+    import itertools
+    import loop
+    rows = loop.resumed_rows(iter(range(100)), {"rows_started": 6, "rows_pending": [2, 5]})
+    assert list(itertools.islice(rows, 4)) == [(2, 2), (5, 5), (6, 6), (7, 7)]
+    assert next(loop.resumed_rows(range(10), {"rows_started": 3})) == (3, 3)   # a checkpoint from before
+    assert next(loop.resumed_rows(range(10), {"rows_started": 0})) == (0, 0)   # a fresh run
