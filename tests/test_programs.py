@@ -212,13 +212,13 @@ def test_agent_cmd_flags_are_checked_before_anything_starts(tmp_path, tiny_model
 # ----------------------------------------------------------- through main.py: drops, eval, kill -9
 
 def test_programs_train_and_evaluate_through_main_and_drops_are_counted(tmp_path, tiny_model):
-    """A run whose program fails on some rows: those rollouts are dropped/exit, their stderr logged once;
+    """A run whose program fails twice: those rollouts are dropped/exit, their stderr logged once;
     the rest train; --eval_every runs the program too (eval/info/first_right is its info)."""
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows(16)))
-    flaky = tmp_path / "flaky.sh"   # fails on rows whose prompt starts with 0..3, else plays running_max.py
-    flaky.write_text(f"read -r row\nif [[ $row == '{{\"prompt\": \"'[0-3]* ]]; then echo flaky failure >&2; "
-                     f"exit 2; fi\necho \"$row\" | exec {sys.executable} {PROGRAMS / 'running_max.py'}\n")
+    flaky = tmp_path / "flaky.sh"   # the first two rollouts fail, the others play running_max.py
+    flaky.write_text(f"if mkdir {tmp_path}/one 2>/dev/null || mkdir {tmp_path}/two 2>/dev/null; then\n"
+                     f"  echo flaky failure >&2; exit 2\nfi\nexec {sys.executable} {PROGRAMS / 'running_max.py'}\n")
     flaky = f"bash {flaky}"
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, str(ROOT / "main.py"), "--model", tiny_model, "--agent_cmd", flaky,
@@ -228,7 +228,7 @@ def test_programs_train_and_evaluate_through_main_and_drops_are_counted(tmp_path
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 2 and metrics[-1]["dropped/exit"] > 0
+    assert len(metrics) == 2 and metrics[-1]["dropped/exit"] == 2
     assert "eval/info/first_right" in metrics[-1] and "eval/reward_mean" in metrics[-1]
     assert proc.stderr.count("flaky failure") == 1 and "exited with 2" in proc.stderr
 
@@ -244,7 +244,7 @@ def test_kill_9_of_the_driver_leaves_no_program_behind(tmp_path, tiny_model):
                  "time.sleep(600)\n")
     proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "--model", tiny_model, "--agent_cmd", cmd,
                              "--dataset", str(data), "--output_dir", str(tmp_path / "run"), "--steps", "2",
-                             "--prompts_per_step", "1", "--samples_per_prompt", "2", "--quiet"],
+                             "--prompts_per_step", "1", "--samples_per_prompt", "2", "--mini_batches", "1", "--quiet"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp_path)
     deadline = time.monotonic() + 240
     while len(list(pids.iterdir())) < 2:
