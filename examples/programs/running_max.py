@@ -3,7 +3,7 @@ two-turn running max as a separate process. The SDK finds the server and this ro
 OPENAI_BASE_URL / OPENAI_API_KEY by itself; the row comes as JSON on stdin; the reward goes out as
 a JSON object on the last line of stdout (docs/programs.md).
 
-    python examples/recipes/programs.py      # writes the rows, then trains this program
+    bash examples/recipes/programs.sh      # writes the rows, then trains this program
 """
 
 import json
