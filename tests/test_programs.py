@@ -51,8 +51,9 @@ def rows(n: int, seed: int = 0) -> list[dict]:
 
 
 def run_program(cmd: str, row: dict, generate, tokenizer, server, loop, timeout: float = 60.0, max_len: int = 128):
+    sampling = SAMPLING if max_len <= 128 else {**SAMPLING, "max_tokens": 64}
     return loop.run_until_complete(agents.run_chat_agent(agents.program(cmd, timeout)(), row, generate, tokenizer,
-                                                         server, sampling=SAMPLING, max_len=max_len))
+                                                         server, sampling=sampling, max_len=max_len))
 
 
 # ----------------------------------------------------------- real harnesses, real engine
@@ -89,6 +90,51 @@ def test_harnesses_train_token_exactly(name, engine, server, loop, tiny_tokenize
         else:
             assert segs[0].reward == float(replies[0] == row["label"]["first"] and finished)
     assert not server.sessions
+
+
+MINI = f"{sys.executable} {PROGRAMS / 'mini_swe_agent.py'}"
+TASK = {"prompt": "Create a file named answer.txt that contains the word hello.",
+        "label": {"file": "answer.txt", "content": "hello"}}
+
+
+def test_mini_swe_agent_runs_as_it_ships_and_its_work_is_checked(server, loop, monkeypatch):
+    """mini-swe-agent's `mini` CLI, pointed at the server by environment variables only, runs the commands the
+    policy calls (vLLM's hermes parser) in the rollout's folder: a policy that does the task gets reward 1."""
+    from _smollm import smol_tokenizer
+    tok = smol_tokenizer()
+    monkeypatch.setenv("MINI_STEPS", "3")
+    call = '<tool_call>{{"name": "bash", "arguments": {{"command": "{}"}}}}</tool_call>'
+    rec = fake(tok, [call.format("echo hello > answer.txt"), call.format("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")])
+    segs = run_program(MINI, TASK, rec, tok, server, loop, timeout=120, max_len=4096)
+    assert len(rec.calls) == 2 and segs[0].reward == 1.0 and segs[0].info["mini_exit"] == 0
+    check_token_exact(segs, rec.calls)
+    assert "Create a file named answer.txt" in tok.decode(rec.calls[0][0])
+    assert '"returncode": 0' in tok.decode(rec.calls[1][0][len(rec.calls[0][0]):])   # the command's result came back
+
+
+def test_mini_swe_agent_trains_token_exactly_on_smollm2(server, loop, monkeypatch):
+    """The same on the real engine (SmolLM2-135M-Instruct, which does not solve it): every request of the
+    rollout is in its token-exact segments, and the reward is the check's."""
+    import data
+    import main
+    from generator import Generator
+    from transformers import AutoTokenizer
+    model = data.resolve_model("smollm2", main.cache_dir(), say=lambda m: None)
+    tok = AutoTokenizer.from_pretrained(model)
+    monkeypatch.setenv("MINI_STEPS", "2")
+
+    async def make():
+        return Generator(model, max_len=4096, seed=0)
+    gen = loop.run_until_complete(make())
+    try:
+        rec = Recorder(gen.generate)
+        segs = loop.run_until_complete(agents.run_chat_agent(
+            agents.program(MINI, 240)(), TASK, rec, tok, server, sampling={"temperature": 1.0, "max_tokens": 48},
+            max_len=4096))
+    finally:
+        gen.shutdown()
+    assert len(rec.calls) == 2 and segs[0].info["requests"] == 2 and segs[0].reward in (0.0, 1.0)
+    check_token_exact(segs, rec.calls)
 
 
 # ----------------------------------------------------------- the contract, fake engine

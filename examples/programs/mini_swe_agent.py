@@ -24,10 +24,8 @@ env = {**os.environ, "MSWEA_MODEL_NAME": "openai/policy", "MSWEA_CONFIGURED": "t
 mini = shutil.which("mini") or sys.exit("mini-swe-agent is not installed: pip install mini-swe-agent")
 done = subprocess.run([mini, "--agent-class", "default", "--environment-class", "local", "--yolo",
                        "--exit-immediately", "-c", "mini.yaml", "-c", f"agent.step_limit={os.environ.get('MINI_STEPS', 3)}",
-                       "-c", "agent.cost_limit=0", "-o", "trajectory.json", "-t", row["prompt"]],
+                       "-c", "agent.cost_limit=0", "-o", str(Path.cwd() / ".trajectory.json"), "-t", row["prompt"]],
                       env=env, stdin=subprocess.DEVNULL, stdout=sys.stderr)   # its console output: stderr
 target = Path(row["label"]["file"])
 right = target.is_file() and target.read_text().strip() == row["label"]["content"]
-steps = len([m for m in json.loads(Path("trajectory.json").read_text()).get("messages", [])
-             if m.get("role") == "assistant"]) if Path("trajectory.json").is_file() else 0
-print(json.dumps({"reward": float(right), "info": {"steps": steps, "mini_exit": done.returncode}}))
+print(json.dumps({"reward": float(right), "info": {"mini_exit": done.returncode}}))
