@@ -449,6 +449,8 @@ def validate(cfg: dict) -> dict:
              f"--max_len {cfg['max_len']} must be divisible by --cp_size {cfg['cp_size']} (each rank gets an equal chunk)")
     need(not (cfg["agent"] and cfg["agent_cmd"] is not None), "--agent and --agent_cmd are two agents: choose one")
     cfg["agent"] = None if cfg["agent_cmd"] is not None else cfg["agent"] or DEFAULT_AGENT
+    need(cfg["agent"] or cfg["eval_dataset"] or not (cfg["eval_every"] or cfg["eval_only"]),
+         "--agent_cmd has no built-in prompts: evaluating it needs --eval_dataset")
     need(cfg["agent"] is None or Path(cfg["agent"]).is_file(), f"--agent {cfg['agent']}: no such file")
     # data and logging
     data.check_dataset(cfg)  # reads and checks every row: one error naming file, line/row and field

@@ -253,6 +253,9 @@ def test_agent_cmd_flags_are_checked_before_anything_starts(tmp_path, tiny_model
     with pytest.raises(SystemExit):
         main.main(["--model", tiny_model, "--agent_cmd", "true", "--output_dir", str(tmp_path / "out")])
     assert "pass --dataset" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main.main([*base, "--agent_cmd", "true", "--eval_every", "2"])
+    assert "needs --eval_dataset" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------- through main.py: drops, eval, kill -9
