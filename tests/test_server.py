@@ -478,8 +478,8 @@ def test_message_content_stays_text_on_every_api(server, loop, api):
     async def conversation(content: str):
         rec = fake(tok, [CALL, "Done."])
         s = session(server, rec, tok, {"temperature": 0.7, "max_tokens": 64}, 2048)
-        async with openai.AsyncOpenAI(base_url=s.base_url, api_key="k", max_retries=0) as oai, \
-                anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key="k", max_retries=0) as ant:
+        async with openai.AsyncOpenAI(base_url=s.base_url, api_key=s.key, max_retries=0) as oai, \
+                anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key=s.key, max_retries=0) as ant:
             msgs = [{"role": "user", "content": "Add 2 and 3. " + content}]
             if api == "chat":
                 r1 = (await oai.chat.completions.create(model="m", messages=msgs, tools=TOOLS)).choices[0].message
