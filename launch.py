@@ -93,7 +93,7 @@ def run_tagged(cfg: dict) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     if not cfg["eval_only"]:  # an eval of a finished run must not replace the run's config
         (out / "config.json").write_text(json.dumps(cfg, indent=1, default=str))
-    agent_cls = agents.load_agent(cfg["agent"])
+    agent_cls = agents.agent_class(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg["model"])
     start = {"step": 0, "version": 0, "rows_started": 0}
     resume_from = logs.complete_checkpoints(out)[-1] if cfg["resume"] and logs.complete_checkpoints(out) else None

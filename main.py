@@ -77,7 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default="tiny", help="local HF model folder, a .gguf file or 'smollm2' (converted once to a "
                    "safetensors folder under $MOLT_CACHE), or 'tiny' to build (once) a random-init "
                    "tiny Qwen3 with a character tokenizer under $MOLT_CACHE")
-    g.add_argument("--agent", default=DEFAULT_AGENT, help="Python file defining exactly one Env or ChatAgent subclass")
+    g.add_argument("--agent", default=None, help="Python file defining exactly one Env or ChatAgent subclass "
+                   "(default: examples/agents/max_digit.py)")
+    g.add_argument("--agent_cmd", default=None, metavar='"CMD ARGS"', help="run each rollout as this program, in any "
+                   "language (instead of --agent; needs --dataset): the server's URLs and the rollout's key in "
+                   "OPENAI_BASE_URL/OPENAI_API_KEY/ANTHROPIC_BASE_URL/ANTHROPIC_API_KEY, the row as JSON on stdin, "
+                   'the reward as {"reward": R} on the last line of stdout (docs/programs.md)')
     g.add_argument("--tool_parser", default="hermes", help="vLLM's tool-call parser of the policy's format (as its "
                    "--tool-call-parser: hermes for <tool_call>{json}</tool_call>, llama3_json, mistral, qwen3_xml, ...)")
     g.add_argument("--reasoning_parser", default=None, help="vLLM's reasoning parser (deepseek_r1, qwen3, ...): "
@@ -444,7 +449,11 @@ def validate(cfg: dict) -> dict:
         need(not loss.no_cp, f"--loss {cfg['loss']} with --cp_size > 1: {loss.no_cp}")
         need(cfg["max_len"] % cfg["cp_size"] == 0,
              f"--max_len {cfg['max_len']} must be divisible by --cp_size {cfg['cp_size']} (each rank gets an equal chunk)")
-    need(Path(cfg["agent"]).is_file(), f"--agent {cfg['agent']}: no such file")
+    need(not (cfg["agent"] and cfg["agent_cmd"] is not None), "--agent and --agent_cmd are two agents: choose one")
+    cfg["agent"] = None if cfg["agent_cmd"] is not None else cfg["agent"] or DEFAULT_AGENT
+    need(cfg["agent"] or cfg["eval_dataset"] or not (cfg["eval_every"] or cfg["eval_only"]),
+         "--agent_cmd has no built-in prompts: evaluating it needs --eval_dataset")
+    need(cfg["agent"] is None or Path(cfg["agent"]).is_file(), f"--agent {cfg['agent']}: no such file")
     # data and logging
     data.check_dataset(cfg)  # reads and checks every row: one error naming file, line/row and field
     for name in cfg["logger"]:  # the package of each backend has the backend's name
@@ -459,11 +468,11 @@ def validate(cfg: dict) -> dict:
     need(bool(tokenizer.chat_template), f"--model {cfg['model']}: the tokenizer has no chat template; agents "
          "render prompts with it (add one to tokenizer_config.json or chat_template.jinja)")
     import agent as agents
-    agent_cls = agents.load_agent(cfg["agent"])
+    agent_cls = agents.agent_class(cfg)
     if issubclass(agent_cls, agents.ChatAgent):  # only the server parses replies (vLLM's parsers: a ~10 s import)
         import server
         server.reply_parsers(cfg["tool_parser"], cfg["reasoning_parser"], tokenizer)   # known names that fit the vocabulary
-    where = cfg["dataset"] or f"the prompts of {Path(cfg['agent']).name}"
+    where = cfg["dataset"] or f"the prompts of {Path(cfg['agent'] or 'Program').name}"
     data.check_prompts_fit(tokenizer, data.first_rows(cfg, agent_cls), cfg["max_len"], where,
                            vision.image_tokens(cfg["model"]))
     if not (cfg["resume"] or cfg["eval_only"] or cfg["overwrite"]):  # last: other errors come first

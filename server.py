@@ -4,7 +4,7 @@
 The trace and its rendering, `Trajectory`, `render`/`encode`, `delta_ids`, `sample`, are trajectory.py's.)
 
 `ChatServer` (aiohttp, 127.0.0.1 only, in the caller's event loop) serves one URL prefix per rollout,
-`/s/<session>/v1/`: POST chat/completions (OpenAI), responses (OpenAI; previous_response_id within the
+`/s/<session>/v1/`, to requests that carry the rollout's key (`Authorization: Bearer` or `x-api-key`; else a 401): POST chat/completions (OpenAI), responses (OpenAI; previous_response_id within the
 session) and messages (Anthropic), each streamed or not; POST messages/count_tokens; GET models.
 
 Each API is decoded into one canonical request (`Request`) and a `ChatSession` turns requests into a token-exact
@@ -18,6 +18,7 @@ each API field gets (honoured; ignored, named in `x-molt-ignored`; a 400, never 
 import asyncio
 import contextlib
 import functools
+import hmac
 import json
 import logging
 import re
@@ -454,6 +455,7 @@ class ChatSession:
     def __init__(self, url: str, generate: Generate, tokenizer, sampling: dict, max_len: int,
                  image_tokens=None, parsers: tuple = (None, None)):
         self.id = secrets.token_hex(8)
+        self.key = secrets.token_urlsafe(24)   # the rollout's secret: every request must carry it
         self.image_tokens = image_tokens   # vision.ImageTokens for a vision-language model
         self.base_url = f"{url}/s/{self.id}/v1"            # for the OpenAI SDK
         self.anthropic_base_url = f"{url}/s/{self.id}"     # the Anthropic SDK appends /v1/messages
@@ -690,7 +692,7 @@ def responses_response(reply: Reply, model: str, req: Request, body: dict) -> tu
 def error_response(api: str, status: int, message: str):
     """An error in the API's own format, so each SDK raises its usual exception."""
     from aiohttp import web
-    kind = {404: "not_found_error", 413: "request_too_large"}.get(
+    kind = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large"}.get(
         status, "invalid_request_error" if status < 500 else "api_error")
     body = ({"type": "error", "error": {"type": kind, "message": message}} if api == "anthropic"
             else {"error": {"message": message, "type": kind, "param": None, "code": None}})
@@ -723,6 +725,15 @@ async def _read_json(request) -> dict:
     return body
 
 
+def _check_key(request, key: str):
+    """A 401 unless the request carries `key` (the rollout's) as `Authorization: Bearer` (OpenAI SDKs) or
+    `x-api-key` (Anthropic's), compared in constant time."""
+    sent = (request.headers.get("Authorization", "").removeprefix("Bearer "), request.headers.get("x-api-key", ""))
+    if not any(hmac.compare_digest(k.encode(), key.encode()) for k in sent):
+        raise BadRequest("missing or wrong API key: send this rollout's key (OPENAI_API_KEY / ANTHROPIC_API_KEY, "
+                         "a ChatAgent's ctx.api_key)", 401)
+
+
 def _is_retry(request) -> bool:
     """Whether the client retries its last request: both stock SDKs send `x-stainless-retry-count` > 0.
     Without it an identical body is a new sample (an agent may ask the same thing twice on purpose)."""
@@ -735,9 +746,8 @@ class ChatServer:
     tokenizer, sampling=..., max_len=...)`; requests to `session.base_url` / `session.anthropic_base_url`;
     `segments = server.close_session(session.id)`; `await server.stop()`."""
 
-    def __init__(self, model_name: str = "policy", api_key: str = "molt", tool_parser: str = "hermes",
-                 reasoning_parser: str | None = None):
-        self.model_name, self.api_key = model_name, api_key
+    def __init__(self, model_name: str = "policy", tool_parser: str = "hermes", reasoning_parser: str | None = None):
+        self.model_name = model_name
         self.parser_names = (tool_parser, reasoning_parser)   # vLLM's parsers of the policy's format
         self.sessions: dict[str, ChatSession] = {}
         self.url = ""
@@ -809,6 +819,7 @@ class ChatServer:
         cached = False
         try:
             _need(session, f"no open session {request.match_info['session']!r} (closed, or never opened)")
+            _check_key(request, session.key)
             body = await _read_json(request)
             ignored = check_fields(api, body)
             key = json.dumps(body, sort_keys=True)
@@ -839,8 +850,13 @@ class ChatServer:
         from aiohttp import web
         model = {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "molt",
                  "type": "model", "display_name": self.model_name, "created_at": "1970-01-01T00:00:00Z"}
-        if request.match_info["session"] not in self.sessions:
+        session = self.sessions.get(request.match_info["session"])
+        if session is None:
             return error_response("openai", 404, "no open session")
+        try:
+            _check_key(request, session.key)
+        except BadRequest as e:
+            return error_response("openai", e.status, str(e))
         if "model" in request.match_info:
             return web.json_response(model)
         return web.json_response({"object": "list", "data": [model], "has_more": False,

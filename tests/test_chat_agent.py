@@ -121,7 +121,7 @@ def test_chatml_openai_tool_calls_token_exact(server, loop):
 
     async def go():
         s = server.open_session(rec, tok, sampling={"temperature": 0.7, "max_tokens": 64}, max_len=2048)
-        async with openai.AsyncOpenAI(base_url=s.base_url, api_key="k", max_retries=0) as client:
+        async with openai.AsyncOpenAI(base_url=s.base_url, api_key=s.key, max_retries=0) as client:
             msgs = [{"role": "user", "content": "What is 2 + 3?"}]
             r1 = await client.chat.completions.create(model="smol", messages=msgs, tools=TOOLS)
             msg = r1.choices[0].message
@@ -152,7 +152,7 @@ def test_chatml_anthropic_tools_and_cut_off_replies_token_exact(server, loop):
 
     async def go():
         s = server.open_session(rec, tok, sampling={"temperature": 0.7, "max_tokens": 64}, max_len=2048)
-        async with anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key="k", max_retries=0) as client:
+        async with anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key=s.key, max_retries=0) as client:
             kw = {"model": "smol", "max_tokens": 50, "system": "Be brief.", "tools": tools}
             msgs = [{"role": "user", "content": "What is 2 + 3?"}]
             r1 = await client.messages.create(messages=msgs, **kw)
@@ -279,7 +279,7 @@ def test_a_retry_returns_the_cached_reply_and_records_once(server, loop, tiny_to
         s = server.open_session(rec, tiny_tokenizer, sampling=SAMPLING, max_len=64)
         url = s.base_url + "/chat/completions"
         retry = {"x-stainless-retry-count": "1"}
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {s.key}"}) as http:
             both = await asyncio.gather(_post(http, url, body, retry), _post(http, url, body, retry))  # in flight
             later = await _post(http, url, body, {"x-stainless-retry-count": "2"})                   # afterwards
             again = await _post(http, url, body, {"x-stainless-retry-count": "0"})   # a first try: samples
@@ -299,7 +299,7 @@ def test_max_tokens_is_clamped_to_the_context_left(server, loop, tiny_tokenizer)
 
     class Long(ChatAgent):
         async def run(self, ctx):
-            async with anthropic.AsyncAnthropic(base_url=ctx.anthropic_base_url, api_key="k", max_retries=0) as c:
+            async with anthropic.AsyncAnthropic(base_url=ctx.anthropic_base_url, api_key=ctx.api_key, max_retries=0) as c:
                 m = [{"role": "user", "content": "3?7="}]   # 7 prompt tokens; max_len 10 leaves 3
                 r1 = await c.messages.create(model="m", max_tokens=100, messages=m)
                 m += [{"role": "assistant", "content": r1.content}, {"role": "user", "content": "?"}]
@@ -322,7 +322,25 @@ def test_bad_requests_get_4xx_json_and_the_server_lives_on(server, loop, tiny_to
         oa, an = s.base_url + "/chat/completions", s.anthropic_base_url + "/v1/messages"
         msg = [{"role": "user", "content": "1?5="}]
         got = {}
-        async with aiohttp.ClientSession() as http:
+        other = server.open_session(rec, tiny_tokenizer, sampling=SAMPLING, max_len=64)   # another rollout
+        async with aiohttp.ClientSession() as http:   # keys: none, or another rollout's, touch no trace
+            got["no key"] = await _post(http, oa, {"messages": msg})
+            got["other key"] = await _post(http, oa, {"messages": msg}, {"Authorization": f"Bearer {other.key}"})
+            got["anthropic other key"] = await _post(http, an, {"messages": msg, "max_tokens": 4},
+                                                     {"x-api-key": other.key})
+            got["anthropic key prefix"] = await _post(http, an, {"messages": msg, "max_tokens": 4},
+                                                      {"x-api-key": s.key[:-1]})
+            async with http.get(s.base_url + "/models", headers={"x-api-key": other.key}) as r:
+                got["models other key"] = r.status, await r.json()
+        for api, client in (("openai", openai.AsyncOpenAI(base_url=s.base_url, api_key=other.key, max_retries=0)),
+                            ("anthropic", anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key=other.key,
+                                                                   max_retries=0))):
+            async with client:
+                with pytest.raises((openai.AuthenticationError, anthropic.AuthenticationError), match="wrong API key"):
+                    await (client.chat.completions.create(model="m", messages=msg) if api == "openai" else
+                           client.messages.create(model="m", max_tokens=4, messages=msg))
+        assert not server.close_session(other.id)
+        async with aiohttp.ClientSession(headers={"x-api-key": s.key}) as http:
             got["unknown session"] = await _post(http, server.url + "/s/nope/v1/chat/completions", {"messages": msg})
             got["unknown session anthropic"] = await _post(http, server.url + "/s/nope/v1/messages",
                                                            {"messages": msg, "max_tokens": 4})
@@ -339,7 +357,7 @@ def test_bad_requests_get_4xx_json_and_the_server_lives_on(server, loop, tiny_to
                 {"type": "image", "source": {}}]}], "max_tokens": 4})
             got["wrong path"] = await _post(http, server.url + f"/s/{s.id}/v1/v1/messages", {"messages": msg})
             got["good"] = await _post(http, oa, {"messages": msg})
-        async with openai.AsyncOpenAI(base_url=s.base_url, api_key="k", max_retries=0) as client:
+        async with openai.AsyncOpenAI(base_url=s.base_url, api_key=s.key, max_retries=0) as client:
             with pytest.raises(openai.BadRequestError, match="n > 1 is not supported"):
                 await client.chat.completions.create(model="m", messages=msg, n=3)
         async with openai.AsyncOpenAI(base_url=server.url + "/s/nope/v1", api_key="k", max_retries=0) as client:
@@ -348,7 +366,8 @@ def test_bad_requests_get_4xx_json_and_the_server_lives_on(server, loop, tiny_to
         return got, server.close_session(s.id)
     got, segs = loop.run_until_complete(go())
     statuses = {k: status for k, (status, _) in got.items()}
-    assert statuses == {"unknown session": 404, "unknown session anthropic": 404, "not json": 400,
+    assert statuses == {"no key": 401, "other key": 401, "anthropic other key": 401, "anthropic key prefix": 401,
+                        "models other key": 401, "unknown session": 404, "unknown session anthropic": 404, "not json": 400,
                         "not an object": 400, "no messages": 400, "bad role": 400, "image": 400,
                         "n": 400, "max_tokens 0": 400, "anthropic no max_tokens": 400,
                         "anthropic bad block": 400, "wrong path": 404, "good": 200}
@@ -360,6 +379,7 @@ def test_bad_requests_get_4xx_json_and_the_server_lives_on(server, loop, tiny_to
         else:                    # OpenAI's
             assert body["error"]["message"] and body["error"]["type"]
     assert "anthropic_base_url" in got["wrong path"][1]["error"]["message"]
+    assert got["anthropic other key"][1]["error"]["type"] == "authentication_error"
     assert len(segs) == 1 and len(rec.calls) == 1
     check_token_exact(segs, rec.calls)
 

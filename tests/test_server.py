@@ -72,7 +72,7 @@ def test_openai_stream_is_the_same_trace_as_the_whole_reply(engine, server, loop
         rec = Recorder(engine.generate)
         s = session(server, rec, tiny_tokenizer)
         got, deltas = [], []
-        async with openai.AsyncOpenAI(base_url=s.base_url, api_key="k", max_retries=0) as client:
+        async with openai.AsyncOpenAI(base_url=s.base_url, api_key=s.key, max_retries=0) as client:
             msgs = [{"role": "user", "content": "3?7="}]
             for follow in ("?5=", None):
                 if stream:
@@ -104,7 +104,7 @@ def test_anthropic_stream_is_the_same_trace_and_allows_a_large_max_tokens(engine
         rec = Recorder(engine.generate)
         s = session(server, rec, tiny_tokenizer)
         got, kinds = [], []
-        async with anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key="k", max_retries=0) as client:
+        async with anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key=s.key, max_retries=0) as client:
             msgs = [{"role": "user", "content": "3?7="}]
             for follow in ("=?", None):
                 if stream:   # a max_tokens the SDK refuses to send without streaming; clamped to the run's 8
@@ -139,7 +139,7 @@ def test_streamed_tool_calls_parse_in_both_sdks_and_extend_one_trace(server, loo
 
     async def go():
         s = session(server, rec, tok, {"temperature": 0.7, "max_tokens": 64}, 2048)
-        async with openai.AsyncOpenAI(base_url=s.base_url, api_key="k", max_retries=0) as client:
+        async with openai.AsyncOpenAI(base_url=s.base_url, api_key=s.key, max_retries=0) as client:
             msgs = [{"role": "user", "content": "What is 2 + 3?"}]
             async with client.chat.completions.stream(model="smol", messages=msgs, tools=TOOLS) as st:
                 deltas = [e.type async for e in st]
@@ -156,7 +156,7 @@ def test_streamed_tool_calls_parse_in_both_sdks_and_extend_one_trace(server, loo
             assert "".join(c.choices[0].delta.content or "" for c in chunks) == "The sum is 5."
         openai_segs = server.close_session(s.id)
         s = session(server, rec, tok, {"temperature": 0.7, "max_tokens": 64}, 2048)
-        async with anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key="k", max_retries=0) as client:
+        async with anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key=s.key, max_retries=0) as client:
             msgs = [{"role": "user", "content": "What is 2 + 3?"}]
             async with client.messages.stream(model="smol", max_tokens=50, messages=msgs, tools=tools) as st:
                 deltas = [e.delta.type async for e in st if e.type == "content_block_delta"]
@@ -187,7 +187,7 @@ def test_stop_strings_end_the_sample_at_the_token_that_completes_one(server, loo
     async def go():
         s = session(server, rec, tok, {"temperature": 0.7, "max_tokens": 64}, 2048)
         got = []
-        async with openai.AsyncOpenAI(base_url=s.base_url, api_key="k", max_retries=0) as client:
+        async with openai.AsyncOpenAI(base_url=s.base_url, api_key=s.key, max_retries=0) as client:
             msgs = [{"role": "user", "content": "What is 2 + 3?"}]
             r = await client.chat.completions.create(model="m", messages=msgs, stop=["Observation:", "zzz"])
             got.append((r.choices[0].message.content, r.choices[0].finish_reason))
@@ -196,7 +196,7 @@ def test_stop_strings_end_the_sample_at_the_token_that_completes_one(server, loo
             chunks = [c async for c in await client.chat.completions.create(
                 model="m", messages=msgs + [{"role": "user", "content": "again"}], stop="Observation:", stream=True)]
             got.append(("".join(c.choices[0].delta.content or "" for c in chunks), chunks[-1].choices[0].finish_reason))
-        async with anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key="k", max_retries=0) as client:
+        async with anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key=s.key, max_retries=0) as client:
             r = await client.messages.create(model="m", max_tokens=64, messages=msgs, stop_sequences=["Observation:"])
             got.append((r.content[0].text, r.stop_reason, r.stop_sequence))
             async with client.messages.stream(model="m", max_tokens=64, messages=msgs + [
@@ -225,7 +225,7 @@ def test_stop_strings_through_vllm(engine, server, loop, tiny_tokenizer):
         got = []
         for i in range(6):   # the tiny random policy writes one of three digits within 40 tokens almost surely
             s = session(server, rec, tok, {"temperature": 1.0, "max_tokens": 40, "seed": i}, 128)
-            async with openai.AsyncOpenAI(base_url=s.base_url, api_key="k", max_retries=0) as client:
+            async with openai.AsyncOpenAI(base_url=s.base_url, api_key=s.key, max_retries=0) as client:
                 r = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "3?7="}],
                                                          stop=stops)
             got.append((r.choices[0].message.content, r.choices[0].finish_reason, server.close_session(s.id)))
@@ -254,7 +254,7 @@ def test_logprobs_are_the_sampling_logprobs_with_top_alternatives(engine, server
 
     async def go():
         s = session(server, rec, tok)
-        async with openai.AsyncOpenAI(base_url=s.base_url, api_key="k", max_retries=0) as client:
+        async with openai.AsyncOpenAI(base_url=s.base_url, api_key=s.key, max_retries=0) as client:
             msgs = [{"role": "user", "content": "3?7="}]
             r = await client.chat.completions.create(model="m", messages=msgs, logprobs=True, top_logprobs=3)
             plain = await client.chat.completions.create(model="m", messages=msgs, logprobs=True, user="again")
@@ -289,7 +289,7 @@ def test_models_count_tokens_n_and_retries(server, loop, tiny_tokenizer):
 
     async def go():
         s = session(server, rec, tok)
-        async with openai.AsyncOpenAI(base_url=s.base_url, api_key="k", max_retries=0) as client:
+        async with openai.AsyncOpenAI(base_url=s.base_url, api_key=s.key, max_retries=0) as client:
             assert [m.id for m in (await client.models.list()).data] == ["policy"]
             assert (await client.models.retrieve("policy")).id == "policy"
             msgs = [{"role": "user", "content": "3?7="}]
@@ -299,7 +299,7 @@ def test_models_count_tokens_n_and_retries(server, loop, tiny_tokenizer):
             retry = await client.chat.completions.with_raw_response.create(   # as the SDK retries
                 model="m", messages=msgs, extra_headers={"x-stainless-retry-count": "1"})
             fresh = await client.chat.completions.with_raw_response.create(model="m", messages=msgs)
-        async with anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key="k", max_retries=0) as client:
+        async with anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key=s.key, max_retries=0) as client:
             assert [m.id for m in (await client.models.list()).data] == ["policy"]
             kw = {"model": "m", "system": "Be brief.", "messages": [{"role": "user", "content": "3?7="}]}
             count = await client.messages.count_tokens(**kw)
@@ -327,7 +327,7 @@ def test_fields_are_honoured_or_refused_never_ignored(server, loop, tiny_tokeniz
     async def go():
         s = session(server, rec, tok)
         out = {}
-        async with openai.AsyncOpenAI(base_url=s.base_url, api_key="k", max_retries=0) as client:
+        async with openai.AsyncOpenAI(base_url=s.base_url, api_key=s.key, max_retries=0) as client:
             chat = client.chat.completions
             for name, extra in (("unknown", {"extra_body": {"top_k": 5}}), ("null", {"extra_body": {"foo": None}}),
                                 ("required", {"tool_choice": "required"}),
@@ -348,7 +348,7 @@ def test_fields_are_honoured_or_refused_never_ignored(server, loop, tiny_tokeniz
             out["responses required"] = e.value.message
             r = await client.responses.with_raw_response.create(model="m", input="3?7=", temperature=0.5,
                                                                 truncation="disabled", store=False)
-        async with anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key="k", max_retries=0) as client:
+        async with anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key=s.key, max_retries=0) as client:
             with pytest.raises(anthropic.BadRequestError) as e:
                 await client.messages.create(model="m", max_tokens=4, messages=msgs, extra_body={"foo": 1})
             out["anthropic"] = e.value.message
@@ -382,7 +382,7 @@ def test_equivalent_history_extends_the_segment(server, loop, form):
 
     async def go():
         s = session(server, rec, tok, {"temperature": 0.7, "max_tokens": 64}, 2048)
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(headers={"x-api-key": s.key}) as http:
             msgs = [{"role": "user", "content": [{"type": "text", "text": "What is 2 + 3?"}]}]
             async with http.post(s.base_url + "/chat/completions", json={"messages": msgs, "tools": TOOLS}) as r:
                 message = (await r.json())["choices"][0]["message"]
@@ -415,7 +415,7 @@ def test_responses_api_turns_stream_and_previous_response_id(engine, server, loo
 
     async def go():
         s = session(server, rec, tok)
-        async with openai.AsyncOpenAI(base_url=s.base_url, api_key="k", max_retries=0) as client:
+        async with openai.AsyncOpenAI(base_url=s.base_url, api_key=s.key, max_retries=0) as client:
             r1 = await client.responses.create(model="m", input="3?7=", store=False)
             assert r1.status in ("completed", "incomplete") and r1.output[0].type == "message"
             items = [{"role": "user", "content": "3?7="}] + [o.model_dump(exclude_none=True) for o in r1.output] \
@@ -445,7 +445,7 @@ def test_responses_api_function_tools(server, loop):
 
     async def go():
         s = session(server, rec, tok, {"temperature": 0.7, "max_tokens": 64}, 2048)
-        async with openai.AsyncOpenAI(base_url=s.base_url, api_key="k", max_retries=0) as client:
+        async with openai.AsyncOpenAI(base_url=s.base_url, api_key=s.key, max_retries=0) as client:
             items = [{"role": "user", "content": "What is 2 + 3?"}]
             r1 = await client.responses.create(model="m", input=items, tools=tools, instructions="Be brief.")
             assert [o.type for o in r1.output] == ["message", "function_call"]
@@ -478,8 +478,8 @@ def test_message_content_stays_text_on_every_api(server, loop, api):
     async def conversation(content: str):
         rec = fake(tok, [CALL, "Done."])
         s = session(server, rec, tok, {"temperature": 0.7, "max_tokens": 64}, 2048)
-        async with openai.AsyncOpenAI(base_url=s.base_url, api_key="k", max_retries=0) as oai, \
-                anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key="k", max_retries=0) as ant:
+        async with openai.AsyncOpenAI(base_url=s.base_url, api_key=s.key, max_retries=0) as oai, \
+                anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key=s.key, max_retries=0) as ant:
             msgs = [{"role": "user", "content": "Add 2 and 3. " + content}]
             if api == "chat":
                 r1 = (await oai.chat.completions.create(model="m", messages=msgs, tools=TOOLS)).choices[0].message
@@ -525,12 +525,12 @@ def test_a_cut_off_or_stopped_reply_reports_its_finish_not_a_tool_call(server, l
     async def go():
         s = session(server, rec, tok, {"temperature": 0.7, "max_tokens": 64}, 2048)
         msgs = [{"role": "user", "content": "What is 2 + 3?"}]
-        async with openai.AsyncOpenAI(base_url=s.base_url, api_key="k", max_retries=0) as client:
+        async with openai.AsyncOpenAI(base_url=s.base_url, api_key=s.key, max_retries=0) as client:
             c = await client.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
             chunks = [x async for x in await client.chat.completions.create(model="m", messages=msgs, tools=TOOLS,
                                                                              stream=True)]
             r = await client.responses.create(model="m", input="What is 2 + 3?", tools=RTOOLS)
-        async with anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key="k", max_retries=0) as client:
+        async with anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key=s.key, max_retries=0) as client:
             a = await client.messages.create(model="m", max_tokens=64, messages=msgs, tools=ATOOLS)
             stopped = await client.messages.create(model="m", max_tokens=64, messages=msgs, tools=ATOOLS,
                                                    stop_sequences=["END"])
@@ -558,9 +558,9 @@ def test_only_a_json_object_is_a_tool_calls_arguments(server, loop):
     async def go():
         s = session(server, rec, tok, {"temperature": 0.7, "max_tokens": 64}, 2048)
         msgs = [{"role": "user", "content": "What is 2 + 3?"}]
-        async with openai.AsyncOpenAI(base_url=s.base_url, api_key="k", max_retries=0) as client:
+        async with openai.AsyncOpenAI(base_url=s.base_url, api_key=s.key, max_retries=0) as client:
             c = [await client.chat.completions.create(model="m", messages=msgs, tools=TOOLS) for _ in odd]
-        async with anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key="k", max_retries=0) as client:
+        async with anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key=s.key, max_retries=0) as client:
             a = await client.messages.create(model="m", max_tokens=64, messages=msgs, tools=ATOOLS)
             with pytest.raises(anthropic.BadRequestError) as e:
                 await client.messages.create(model="m", max_tokens=64, tools=ATOOLS, messages=msgs + [
@@ -584,7 +584,7 @@ def test_an_anthropic_prefill_is_refused_with_the_reason(server, loop):
 
     async def go():
         s = session(server, rec, tok, {"temperature": 0.7, "max_tokens": 64}, 2048)
-        async with anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key="k", max_retries=0) as client:
+        async with anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key=s.key, max_retries=0) as client:
             with pytest.raises(anthropic.BadRequestError) as e:
                 await client.messages.create(model="m", max_tokens=64, messages=[
                     {"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "The sum is"}])
@@ -602,7 +602,7 @@ def test_logprob_bytes_are_the_tokens_bytes_and_responses_deltas_carry_logprobs(
 
     async def go():
         s = session(server, rec, tok, {"temperature": 0.7, "max_tokens": 64}, 2048)
-        async with openai.AsyncOpenAI(base_url=s.base_url, api_key="k", max_retries=0) as client:
+        async with openai.AsyncOpenAI(base_url=s.base_url, api_key=s.key, max_retries=0) as client:
             c = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "?"}],
                                                      logprobs=True)
             events = [e async for e in await client.responses.create(
@@ -629,7 +629,7 @@ def test_parallel_tool_calls_false_keeps_the_first_call(server, loop):
     async def go():
         s = session(server, rec, tok, {"temperature": 0.7, "max_tokens": 64}, 2048)
         msgs = [{"role": "user", "content": "What is 2 + 3?"}]
-        async with openai.AsyncOpenAI(base_url=s.base_url, api_key="k", max_retries=0) as client:
+        async with openai.AsyncOpenAI(base_url=s.base_url, api_key=s.key, max_retries=0) as client:
             c = await client.chat.completions.create(model="m", messages=msgs, tools=TOOLS, parallel_tool_calls=False)
             msg = c.choices[0].message
             msgs2 = msgs + [msg.model_dump(exclude_none=True),
@@ -637,9 +637,9 @@ def test_parallel_tool_calls_false_keeps_the_first_call(server, loop):
             await client.chat.completions.create(model="m", messages=msgs2, tools=TOOLS, parallel_tool_calls=False)
             segs = server.close_session(s.id)
             s = session(server, rec, tok, {"temperature": 0.7, "max_tokens": 64}, 2048)
-            r = await client.with_options(base_url=s.base_url).responses.create(
+            r = await client.with_options(base_url=s.base_url, api_key=s.key).responses.create(
                 model="m", input="What is 2 + 3?", tools=RTOOLS, parallel_tool_calls=False)
-        async with anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key="k", max_retries=0) as client:
+        async with anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key=s.key, max_retries=0) as client:
             a = await client.messages.create(model="m", max_tokens=64, messages=msgs, tools=ATOOLS,
                                              tool_choice={"type": "auto", "disable_parallel_tool_use": True})
         server.close_session(s.id)
@@ -696,7 +696,7 @@ def test_tool_calls_in_each_familys_format_by_vllms_parser(loop, tool, template,
     async def go():
         s = session(server, rec, tok, {"temperature": 0.7, "max_tokens": 64}, 2048)
         msgs = [{"role": "user", "content": "What is 2 + 3?"}]
-        async with openai.AsyncOpenAI(base_url=s.base_url, api_key="k", max_retries=0) as client:
+        async with openai.AsyncOpenAI(base_url=s.base_url, api_key=s.key, max_retries=0) as client:
             c = await client.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
             call = c.choices[0].message.tool_calls[0]
             msgs2 = msgs + [c.choices[0].message.model_dump(exclude_none=True),
@@ -704,7 +704,7 @@ def test_tool_calls_in_each_familys_format_by_vllms_parser(loop, tool, template,
             await client.chat.completions.create(model="m", messages=msgs2, tools=TOOLS)
             segs = server.close_session(s.id)
             s = session(server, rec, tok, {"temperature": 0.7, "max_tokens": 64}, 2048)
-            client = client.with_options(base_url=s.base_url)
+            client = client.with_options(base_url=s.base_url, api_key=s.key)
             chunks = [x async for x in await client.chat.completions.create(model="m", messages=msgs, tools=TOOLS,
                                                                              stream=True)]
             text = await client.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
@@ -738,7 +738,7 @@ def test_reasoning_by_vllms_parser_on_each_api_whole_and_streamed(loop):
     async def go():
         s = session(server, rec, tok, {"temperature": 0.7, "max_tokens": 64}, 2048)
         msgs = [{"role": "user", "content": "What is 2 + 3?"}]
-        async with openai.AsyncOpenAI(base_url=s.base_url, api_key="k", max_retries=0) as client:
+        async with openai.AsyncOpenAI(base_url=s.base_url, api_key=s.key, max_retries=0) as client:
             c = await client.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
             msg = c.choices[0].message
             msgs2 = msgs + [msg.model_dump(exclude_none=True),
@@ -746,14 +746,14 @@ def test_reasoning_by_vllms_parser_on_each_api_whole_and_streamed(loop):
             await client.chat.completions.create(model="m", messages=msgs2, tools=TOOLS)
             segs = server.close_session(s.id)
             s = session(server, rec, tok, {"temperature": 0.7, "max_tokens": 64}, 2048)
-            client = client.with_options(base_url=s.base_url)
+            client = client.with_options(base_url=s.base_url, api_key=s.key)
             chunks = [x async for x in await client.chat.completions.create(model="m", messages=msgs, stream=True)]
             r = await client.responses.create(model="m", input="What is 2 + 3?")
             revents = [e async for e in await client.responses.create(model="m", input="What is 2 + 3?", stream=True)]
             again = await client.responses.create(model="m", input=[{"role": "user", "content": "What is 2 + 3?"},
                                                                    *[o.model_dump(exclude_none=True) for o in r.output]]
                                                   + [{"role": "user", "content": "And 3 + 4?"}])
-        async with anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key="k", max_retries=0) as client:
+        async with anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key=s.key, max_retries=0) as client:
             a = await client.messages.create(model="m", max_tokens=64, messages=msgs)
             async with client.messages.stream(model="m", max_tokens=64, messages=msgs) as stream:
                 streamed = await stream.get_final_message()
@@ -862,7 +862,7 @@ def test_fuzzed_requests_never_get_a_5xx_and_the_server_answers_after(server, lo
     async def go():
         s = session(server, endless, tiny_tokenizer, {"temperature": 1.0, "max_tokens": 4}, 64)
         statuses = []
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(headers={"x-api-key": s.key}) as http:
             for _ in range(400):
                 path, raw, headers = _malformed(rng)
                 async with http.post(f"{s.base_url}/{path}", data=raw, headers=headers) as r:
@@ -872,7 +872,7 @@ def test_fuzzed_requests_never_get_a_5xx_and_the_server_answers_after(server, lo
                 big = (r.status, await r.json())
             async with http.get(f"{s.base_url}/models") as r:
                 models = r.status
-        async with openai.AsyncOpenAI(base_url=s.base_url, api_key="k", max_retries=0) as client:
+        async with openai.AsyncOpenAI(base_url=s.base_url, api_key=s.key, max_retries=0) as client:
             good = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "1?2="}])
         server.close_session(s.id)
         return statuses, big, models, good
