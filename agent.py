@@ -58,8 +58,7 @@ class Result:
     score: float | None = None       # for dashboards/filtering; defaults to reward
     sampling_params: dict | None = None        # next turn: max_tokens, stop_token_ids, seed (not temperature/top_p/top_k)
     images: list | None = None       # shown with the observation next turn (Env; VLMs): paths, data URIs, PIL
-    state_key: str | None = None     # the state this step reached, for step groups (--estimator gigpo;
-                                     # default: the observation text)
+    state_key: str | None = None     # the state reached, for --estimator gigpo (default: the observation)
 
 
 @dataclass
@@ -110,10 +109,8 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
     (Result.images); a trajectory shows at most `max_images` (the engine's per-request limit): an observation
     over it ends the episode. `call(fn, *args)` runs the env's own code (reset, step): the loop passes one that
     runs it on an agent thread (faults.AgentThreads), so a blocking step cannot freeze the loop.
-    With `branches` M > 1 the episode forks (`Env.fork`) before each turn in `branch_turns` into M
-    continuations and the result is a list, one trajectory per leaf; the tokens they share are trained in
-    the first one only (the others' `parent`), and a branch that fails is left out (counted in
-    info["branches_dropped"]) unless all do."""
+    `branches` M > 1: forks (`Env.fork`) before each of `branch_turns` into M continuations; returns the leaves,
+    shared tokens trained in the first (the others' `parent`), failed ones left out (info["branches_dropped"])."""
     call = call or _call_here
     images = image_tokens.uris(row.get("images")) if image_tokens else _no_images(row.get("images"))
     messages = with_images(prompt_messages(row["prompt"]), images)
@@ -123,35 +120,36 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
     traj.add(image_tokens.expand(prompt, images) if images else prompt, False)
     turns = max_turns or env.max_turns
 
-    async def play(ep: _Episode, first: int) -> list[Trajectory]:
-        traj, messages = ep.traj, ep.messages
+    async def play(env: Env, traj: Trajectory, messages: list, params: dict, observation, first: int) -> list:
         for turn in range(first, turns):
             if turn in branch_turns and turn > first and branches > 1:
-                return await fork(ep, turn)
+                return await fork([(env, traj, messages, params, observation)] + [
+                    (env.fork(), *copy.deepcopy((traj, messages, params, observation))) for _ in range(branches - 1)],
+                    turn, len(traj.tokens))
             budget = max_len - len(traj.tokens)
             if budget <= 0:
                 traj.info["truncated"] = 1.0
                 break
             out = await sample(generate, traj.tokens, traj.images,
-                               {**ep.params, "max_tokens": min(ep.params["max_tokens"], budget)}, image_tokens)
+                               {**params, "max_tokens": min(params["max_tokens"], budget)}, image_tokens)
             traj.add(out["token_ids"], True, out["logprobs"], out.get("versions", out["version"]))
             action = decode_reply(tokenizer, out["token_ids"])
             messages.append({"role": "assistant", "content": action})
-            result = await call(ep.env.step, State(
-                prompt=row["prompt"], label=row.get("label"), action=action, observation=ep.observation,
-                messages=messages, turn=turn, sampling_params=ep.params, row=row, finish_reason=out["finish_reason"]))
+            result = await call(env.step, State(prompt=row["prompt"], label=row.get("label"), action=action,
+                                                observation=observation, messages=messages, turn=turn,
+                                                sampling_params=params, row=row, finish_reason=out["finish_reason"]))
             reward = float(result.reward)
             if not math.isfinite(reward):
                 raise ValueError(f"agent returned a non-finite reward {result.reward!r}")
             traj.reward += reward
             traj.turn_rewards.append(reward)
-            ep.scores.append(reward if result.score is None else float(result.score))
-            ep.info.update(result.info)
+            traj.score += reward if result.score is None else float(result.score)
+            traj.info.update({k: float(v) for k, v in result.info.items()})
             if result.terminated or result.truncated or turn == turns - 1:
                 break
-            ep.observation = result.observation or ""
+            observation = result.observation or ""
             new_images = image_tokens.uris(result.images) if image_tokens else _no_images(result.images)
-            content = with_images([{"role": "user", "content": ep.observation}], new_images)[0]["content"]
+            content = with_images([{"role": "user", "content": observation}], new_images)[0]["content"]
             obs_ids = delta_ids(tokenizer, messages, out["token_ids"], [{"role": "user", "content": content}])
             obs_ids = image_tokens.expand(obs_ids, new_images) if new_images else obs_ids
             if (len(traj.tokens) + len(obs_ids) >= max_len  # whole observations only: never half an image
@@ -160,18 +158,14 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
                 break
             traj.add(obs_ids, False)
             traj.images += new_images
-            traj.states.append(ep.observation if result.state_key is None else str(result.state_key))
+            traj.states.append(observation if result.state_key is None else str(result.state_key))
             messages.append({"role": "user", "content": content})
-            ep.params = {**ep.params, **_override(ep.params, result.sampling_params)}
-        traj.score = sum(ep.scores)
-        traj.info.update({k: float(v) for k, v in ep.info.items()})
-        traj.info["turns"] = float(len(ep.scores))
+            params = {**params, **_override(params, result.sampling_params)}
+        traj.info["turns"] = float(len(traj.turn_rewards))
         return [traj]
 
-    async def fork(ep: _Episode, turn: int) -> list[Trajectory]:
-        shared = len(ep.traj.tokens)
-        done = await asyncio.gather(*[play(e, turn) for e in [ep] + [ep.fork() for _ in range(branches - 1)]],
-                                    return_exceptions=True)
+    async def fork(episodes: list, turn: int, shared: int) -> list[Trajectory]:
+        done = await asyncio.gather(*[play(*e, turn) for e in episodes], return_exceptions=True)
         failed = [e for e in done if isinstance(e, BaseException)]
         if len(failed) == len(done):
             raise failed[0]
@@ -184,29 +178,13 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
                 t.parent, t.branch_turn = leaves[0], turn
         return leaves
 
-    leaves = await play(_Episode(env, traj, messages, dict(sampling)), 0)
+    leaves = await play(env, traj, messages, dict(sampling), None, 0)
     if branches <= 1:
         return leaves[0]
     index = {id(t): i for i, t in enumerate(leaves)}   # local ids; the pool offsets them
     for i, t in enumerate(leaves):
         t.rollout_id, t.parent = i, None if t.parent is None else index[id(t.parent)]
     return leaves
-
-
-@dataclass
-class _Episode:
-    """An Env episode between turns: what a branch copies."""
-    env: Env
-    traj: Trajectory
-    messages: list
-    params: dict
-    observation: str | None = None
-    scores: list = field(default_factory=list)
-    info: dict = field(default_factory=dict)
-
-    def fork(self) -> "_Episode":
-        return _Episode(self.env.fork(), *copy.deepcopy((self.traj, self.messages, self.params, self.observation,
-                                                         self.scores, self.info)))
 
 
 def _override(params: dict, new: dict | None) -> dict:

@@ -49,12 +49,10 @@ def collate(trajectories: list[dict], pad_id: int, multiple: int = 1) -> dict[st
 
 
 def turn_batch(trajectories: list[dict], T: int) -> dict[str, torch.Tensor]:
-    """Per-turn credit (estimators.INPUTS): "turns" [B, T] each predicted token's turn (-1: padding);
-    "turn_rewards" [B, K]; "nodes" [B, K] an id per (group, tokens before the turn): branches share the nodes
-    of their common prefix; "states" [B, K] an id per (group, Result.state_key or observation), when every
-    trajectory has them. Ids are dense within the batch, -1 past a row's last turn."""
-    K = max(len(t["turn_rewards"]) for t in trajectories)
-    ids: dict = {}
+    """Per-turn credit (estimators.INPUTS): "turns" [B, T] each predicted token's turn (-1: padding),
+    "turn_rewards" [B, K]; ids [B, K] (-1 past a row's end) of "nodes", (group, tokens before the turn: branches
+    share their prefix's), and, if every row has them, of "states", (group, Result.state_key or observation)."""
+    K, ids = max(len(t["turn_rewards"]) for t in trajectories), {}
 
     def key_ids(keys: list) -> list[int]:
         return [ids.setdefault(k, len(ids)) for k in keys] + [-1] * (K - len(keys))

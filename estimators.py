@@ -60,18 +60,13 @@ def group_stats(rewards: Tensor, groups: Tensor, rollout_ids: OptT = None) -> tu
     return mean[gi][inv], var.sqrt()[gi][inv], n[gi][inv]
 
 
-def _last_action(mask: Tensor) -> Tensor:
-    """[B, T] one-hot of each row's last action token (all zero for rows without one)."""
-    m = mask.bool()
-    last = m.shape[1] - 1 - m.flip(1).int().argmax(1)  # [B]
-    return torch.zeros(m.shape, device=m.device).scatter_(1, last[:, None], 1.0) * m.any(1, keepdim=True)
-
-
 def _token_rewards(name: str, seq_reward: Tensor, mask: Tensor, kl: OptT, kl_coef: float) -> Tensor:
     """Sequence reward on the last action token plus -kl_coef * kl on every action token. [B, T]"""
     if kl_coef != 0.0 and kl is None:
         raise ValueError(f"{name}: kl_coef={kl_coef} needs kl (log pi - log pi_ref), got kl=None")
-    r = seq_reward.float()[:, None] * _last_action(mask)
+    m = mask.bool()
+    last = m.shape[1] - 1 - m.flip(1).int().argmax(1)  # [B] each row's last action token (none: masked below)
+    r = torch.zeros(m.shape, device=m.device).scatter_(1, last[:, None], seq_reward.float()[:, None]) * m
     if kl_coef != 0.0:
         r = r - kl_coef * torch.where(mask.bool(), kl.float(), 0)
     return r
@@ -168,13 +163,11 @@ def on_policy_distill(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: OptT
     return adv, adv.clone()
 
 
-# ---------------------------------------------------------------- per-turn credit
-# Turn k: the k-th reply and the prompt or observation before it. Inputs (batches.turn_batch): `turns` [B, T]
-# each token's turn, `turn_rewards` [B, K], `states` / `nodes` [B, K] ids of the state a turn starts from.
-# Without `turns` each run of action tokens is a turn; without `turn_rewards` the reward sits on the last turn.
+# ---------------------------------------------------------------- per-turn credit (inputs: batches.turn_batch)
 
-def _turn_view(rewards: Tensor, mask: Tensor, turns: OptT, turn_rewards: OptT) -> tuple[Tensor, Tensor, Tensor]:
-    """(turn of each token [B, T], per-turn rewards R [B, K], valid [B, K]: the row has turn k)."""
+def _turn_view(rewards: Tensor, mask: Tensor, turns: OptT, turn_rewards: OptT, gamma: float) -> tuple[Tensor, ...]:
+    """(turn of each token [B, T], G [B, K] the return from each turn, valid [B, K]). Without `turns` each run of
+    action tokens is a turn; without `turn_rewards` the reward sits on the last turn."""
     m = mask.bool()
     if turns is None:
         starts = m & ~torch.cat([torch.zeros_like(m[:, :1]), m[:, :-1]], 1)   # first token of each run
@@ -184,16 +177,8 @@ def _turn_view(rewards: Tensor, mask: Tensor, turns: OptT, turn_rewards: OptT) -
         turn_rewards = torch.zeros(len(n), max(int(n.max()), 1), device=mask.device).scatter_(
             1, (n - 1).clamp(min=0)[:, None], (rewards.float() * (n > 0))[:, None])
     valid = torch.arange(turn_rewards.shape[1], device=mask.device) < n[:, None]
-    return turns.clamp(min=0), turn_rewards.float(), valid
-
-
-def _turn_returns(R: Tensor, gamma: float) -> Tensor:
-    """G_k = R_k + gamma * G_{k+1} over turns. [B, K]"""
-    G, run = torch.zeros_like(R), torch.zeros_like(R[:, 0])
-    for k in reversed(range(R.shape[1])):
-        run = R[:, k] + gamma * run
-        G[:, k] = run
-    return G
+    R = turn_rewards.float()
+    return turns.clamp(min=0), _discounted_returns(R, torch.ones_like(R), gamma), valid
 
 
 def _on_tokens(x: Tensor, turns: Tensor, mask: Tensor) -> Tensor:
@@ -202,8 +187,7 @@ def _on_tokens(x: Tensor, turns: Tensor, mask: Tensor) -> Tensor:
 
 
 def _keyed_stats(x: Tensor, groups: Tensor, keys: OptT, valid: Tensor) -> list[Tensor]:
-    """(mean, std, count) [B, K] of x over the valid turns with the same (group, key). Without keys, turn 0 (the
-    prompt) is shared by the group and every later turn is its own."""
+    """(mean, std, count) [B, K] of x over valid turns of one (group, key); no keys: only turn 0 is shared."""
     B, K = x.shape
     if keys is None:
         k = torch.arange(K, device=x.device)
@@ -217,9 +201,8 @@ def turn_reinforce(rewards: Tensor, mask: Tensor, groups: Tensor, *,
                    turns: OptT = None, turn_rewards: OptT = None, turn_gamma: float = 1.0) -> Pair:
     """REINFORCE++ with per-turn returns: G_k = sum_{j>=k} turn_gamma^(j-k) r_j over the rollout's turn rewards,
     minus the mean G_k of its group's rollouts that have a turn k, whitened over the batch's action tokens."""
-    tok, R, valid = _turn_view(rewards, mask, turns, turn_rewards)
-    G = _turn_returns(R, turn_gamma)
-    mean, _, _ = _keyed_stats(G, groups, torch.arange(R.shape[1], device=G.device).expand_as(G), valid)
+    tok, G, valid = _turn_view(rewards, mask, turns, turn_rewards, turn_gamma)
+    mean, _, _ = _keyed_stats(G, groups, torch.arange(G.shape[1], device=G.device).expand_as(G), valid)
     return whiten(_on_tokens(G - mean, tok, mask), mask), _on_tokens(G, tok, mask)
 
 
@@ -233,10 +216,9 @@ def gigpo(rewards: Tensor, mask: Tensor, groups: Tensor, *, rollout_ids: OptT = 
         combined       A(a_t^(i)) = A^E(tau_i) + omega * A^S(a_t^(i))   (omega: --step_weight), on every token of
     turn t. s_t is `states` (Result.state_key of the step before, else the observation; turn 0: the prompt); a
     state only one turn starts from gives A^S = 0. std + 1e-6 as in grpo."""
-    tok, R, valid = _turn_view(rewards, mask, turns, turn_rewards)
+    tok, G, valid = _turn_view(rewards, mask, turns, turn_rewards, turn_gamma)
     mean, std, _ = group_stats(rewards, groups, rollout_ids)
     episode = (rewards.float() - mean) / (std + 1e-6)                           # [B]
-    G = _turn_returns(R, turn_gamma)
     s_mean, s_std, _ = _keyed_stats(G, groups, states, valid)
     step = (G - s_mean) / (s_std + 1e-6)                                      # [B, K]
     return _on_tokens(episode[:, None] + step_weight * step, tok, mask), _on_tokens(G, tok, mask)
@@ -244,18 +226,14 @@ def gigpo(rewards: Tensor, mask: Tensor, groups: Tensor, *, rollout_ids: OptT = 
 
 def branch_value(rewards: Tensor, mask: Tensor, groups: Tensor, *, rollout_ids: OptT = None, turns: OptT = None,
                  turn_rewards: OptT = None, nodes: OptT = None) -> Pair:
-    """Monte-Carlo state values from branched rollouts (--branches; VinePPO's idea, Kazemnejad et al., 2024).
-    V(s) = the mean return-to-go of the rows through node s (the same tokens before the turn: branches share
-    their prefix's nodes, the group shares the prompt). A branch point is a node whose rows go on to different
-    nodes (or end). The turns from one branch point a to the next c (or the end) share the value change they
-    made: A = r_a + ... + r_{c-1} + V(s_c) - V(s_a) (V = 0 at the end), divided by the group's reward std as in
-    grpo. Shared turns before a branch point get their rollout's mean outcome; without branches this is grpo."""
-    tok, R, valid = _turn_view(rewards, mask, turns, turn_rewards)
-    B, K = R.shape
-    pad = torch.zeros(B, 1, device=R.device)
-    G = torch.cat([_turn_returns(R, 1.0), pad], 1)                           # [B, K+1], 0 after the end
-    V, _, n = _keyed_stats(G[:, :K], groups, nodes, valid)
-    V, k = torch.cat([V, pad], 1), torch.arange(K, device=R.device).expand(B, K)
+    """Monte-Carlo values from branched rollouts (--branches; VinePPO's idea, Kazemnejad et al., 2024): V(s) = the
+    mean return of the rows through node s (the same tokens before the turn). The turns from one branch point a
+    (a node whose rows go on to different nodes or end) to the next c share the value change they made:
+    A = r_a + ... + r_{c-1} + V(s_c) - V(s_a) (V = 0 at the end), / the group's reward std. No branches: grpo."""
+    tok, G, valid = _turn_view(rewards, mask, turns, turn_rewards, 1.0)
+    (B, K), pad = G.shape, torch.zeros(len(G), 1, device=G.device)
+    V, _, n = _keyed_stats(G, groups, nodes, valid)
+    G, V, k = torch.cat([G, pad], 1), torch.cat([V, pad], 1), torch.arange(K, device=G.device).expand(B, K)  # 0 at the end
     n_next = torch.cat([n[:, 1:], pad], 1).clamp(min=1)                         # rows through the next node
     start = valid & ((k == 0) | (n > n_next))                                   # turn 0 and branch points
     a = torch.where(start, k, 0).cummax(1).values                              # [B, K] its span's first turn

@@ -105,9 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (trainer logprobs use the same)")
     g.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling (1.0 = off; < 1 only with --is_level off: "
                    "the engine's logprobs are then of the truncated distribution, the trainer's of the full one)")
-    g.add_argument("--branches", type=int, default=1, help="continuations sampled at each branch point of an Env "
-                   "episode (Env.fork, by default a deepcopy): each is a rollout of its own, the tokens they share are "
-                   "trained once; their mean return values the state (--estimator branch_value)")
+    g.add_argument("--branches", type=int, default=1, help="continuations forked (Env.fork) at each branch point of "
+                   "an Env episode, each a rollout; shared tokens are trained once (--estimator branch_value)")
     g.add_argument("--branch_turns", type=int, nargs="+", default=None, help="turns before which an episode "
                    "branches (with --branches > 1; default: 1)")
     g.add_argument("--agent_timeout", type=float, default=300.0, help="seconds before a rollout is dropped")

@@ -1,14 +1,11 @@
-"""Per-turn credit, measured: GRPO against a turn-level estimator (gigpo) and branching (branch_value).
+"""Per-turn credit, measured: grpo against a turn-level estimator (gigpo) and branching (branch_value).
 
-The task (this file's Env, on the tiny default model): two turns, each shows a digit d ("3=") and is right
-when the reply starts with a larger digit; the reward, 1 if both turns were right, comes only at the end,
-so a wrong first turn decides the episode though the second is still played. The Env gives GiGPO its
-state (`Result.state_key`: the digit shown and whether the episode is still winnable). Each config runs
-the real loop over SEEDS: grpo and gigpo with 8 samples per prompt, branching with 4 samples forked into 2
-before turn 1 (the first turn sampled once per pair: fewer sampled tokens per step, so it runs more
-steps). Reward is compared at equal sampled tokens (and at equal wall time): the mean training reward of
-the steps in the last quarter of the budget every config reached. Ends with
-
+The task (this file's Env, tiny default model): two turns, each shows a digit d ("3=") and is right when the
+reply starts with a larger digit; the reward (1 if both were right) comes only at the end, so a wrong first
+turn decides the episode. `Result.state_key` gives gigpo the state (digit shown, still winnable). grpo and
+gigpo sample 8 per prompt; branching 4, each forked into 2 before turn 1 (fewer tokens per step: it runs
+more steps). Reward at equal sampled tokens (and wall time): the mean training reward of the steps in the
+last quarter of the budget every run reached, over SEEDS. Ends with
     reward at equal sampled tokens: grpo A, turn-level B, branching C (N seeds)
 
     flock /tmp/molt.lock python bench/turn_credit.py     # no arguments; ~8 min on 2 CPU cores
@@ -27,10 +24,9 @@ from agent import Env, Result  # noqa: E402
 
 SEEDS, STEPS = (0, 1, 2), 50
 COMMON = ["--prompts_per_step", "8", "--max_new_tokens", "2", "--quiet", "--no_plot", "--export_hf", "none"]
-CONFIGS = {"grpo": ["--estimator", "grpo", "--samples_per_prompt", "8"],
-           "turn-level": ["--estimator", "gigpo", "--samples_per_prompt", "8"],
+CONFIGS = {"grpo": ["--estimator", "grpo", "--samples_per_prompt", "8"],   # 16 replies per group, 12 branching:
+           "turn-level": ["--estimator", "gigpo", "--samples_per_prompt", "8"],  # it runs 4/3 the steps
            "branching": ["--estimator", "branch_value", "--samples_per_prompt", "4", "--branches", "2"]}
-STEP_SCALE = {"branching": 4 / 3}   # 12 replies per group against 16: equal sampled tokens need 4/3 the steps
 
 
 class LargerDigit(Env):
@@ -54,41 +50,30 @@ class LargerDigit(Env):
         return Result(float(self.winnable))
 
 
-def run(name: str, seed: int, out: Path) -> list[dict]:
-    steps = round(STEPS * STEP_SCALE.get(name, 1))
-    cmd = [sys.executable, "main.py", "--agent", __file__, "--steps", str(steps), "--seed", str(seed),
-           "--output_dir", str(out), *COMMON, *CONFIGS[name]]
+def run(name: str, seed: int, out: Path) -> list[tuple]:
+    """(cumulative sampled tokens, cumulative step seconds, reward) per step of one run."""
+    cmd = [sys.executable, "main.py", "--agent", __file__, "--steps", str(round(STEPS * (4 / 3 if name == "branching" else 1))),
+           "--seed", str(seed), "--output_dir", str(out), *COMMON, *CONFIGS[name]]
     print("+", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def at_budget(metrics: list[dict], key: str, budget: float) -> float:
-    """Mean reward of the steps whose cumulative `key` falls in (0.75 budget, budget]."""
-    total, window = 0.0, []
-    for m in metrics:
-        total += m["response_len"] * m["rollouts"] if key == "tokens" else m["step_s"]
-        if 0.75 * budget < total <= budget:
-            window.append(m["reward_mean"])
-    return sum(window) / max(len(window), 1)
+    tokens = seconds = 0.0
+    for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()):
+        tokens, seconds = tokens + m["response_len"] * m["rollouts"], seconds + m["step_s"]
+        yield tokens, seconds, m["reward_mean"]
 
 
 def main():
-    runs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in CONFIGS:
-            for seed in SEEDS:
-                runs[name, seed] = run(name, seed, Path(tmp) / f"{name}-{seed}")
-    used = {k: (sum(m["response_len"] * m["rollouts"] for m in v), sum(m["step_s"] for m in v)) for k, v in runs.items()}
+        runs = {(n, s): list(run(n, s, Path(tmp) / f"{n}-{s}")) for n in CONFIGS for s in SEEDS}
     out = {}
-    for i, key in enumerate(("tokens", "wall")):
-        budget = min(u[i] for u in used.values())
-        out[key] = {n: sum(at_budget(runs[n, s], key, budget) for s in SEEDS) / len(SEEDS) for n in CONFIGS}
+    for i, key in enumerate(("tokens", "wall")):   # mean reward of the steps in the last quarter of the budget
+        budget = min(steps[-1][i] for steps in runs.values())
+        at = lambda steps: [r for *x, r in steps if 0.75 * budget < x[i] <= budget] or [0.0]
+        out[key] = {n: sum(sum(at(runs[n, s])) / len(at(runs[n, s])) for s in SEEDS) / len(SEEDS) for n in CONFIGS}
         print(f"{key} budget {budget:.0f}: " + ", ".join(f"{n} {r:.3f}" for n, r in out[key].items()))
     for name in CONFIGS:
-        finals = [runs[name, s][-1]["reward_mean"] for s in SEEDS]
-        print(f"{name}: final-step reward {', '.join(f'{r:.3f}' for r in finals)}; per-seed tokens, seconds "
-              f"{[(round(used[name, s][0]), round(used[name, s][1])) for s in SEEDS]}")
+        print(f"{name}: per seed (tokens, seconds, final-step reward) "
+              f"{[tuple(round(x, 2) for x in runs[name, s][-1]) for s in SEEDS]}")
     r = out["tokens"]
     print(f"reward at equal sampled tokens: grpo {r['grpo']:.3f}, turn-level {r['turn-level']:.3f}, "
           f"branching {r['branching']:.3f} ({len(SEEDS)} seeds)")

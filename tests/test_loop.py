@@ -290,3 +290,25 @@ def test_estimators_with_extra_models_run_through_the_real_loop(tiny_model, tmp_
     # the extra model is there and used: a critic's values, loss and optimizer step, or the KL to the teacher
     keys = ("value_mean", "value_loss", "critic_grad_norm") if spec.critic else ("ref_kl_k3",)
     assert all(k in m for m in lines for k in keys)
+
+
+def test_branching_rollouts_through_the_real_loop(tiny_model, tmp_path):
+    """--branches 2 on the bench's two-turn Env (vLLM, Ray, the trainer): each rollout comes back as two
+    rows that share their first turn's tokens, trained in one; branch_value trains on them."""
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    main.main(["--model", tiny_model, "--agent", "bench/turn_credit.py", "--estimator", "branch_value", "--branches",
+               "2", "--steps", "2", *SMALL, "--output_dir", str(tmp_path / "run"), "--export_hf", "none",
+               "--no_plot", "--dump_rollouts", str(dump)])
+    lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["rollouts"] == 4 * 4 * 2 and m["info/turns"] == 2 for m in lines)   # each branch a rollout
+    for step in _dumped(dump):
+        by_id = {(t["group"], t["rollout_id"]): t for t in step}
+        children = [t for t in step if t["parent"] is not None]
+        assert len(children) == len(step) // 2 and all(t["branch_turn"] == 1 for t in children)
+        for t in children:
+            first = by_id[t["group"], t["parent"]]
+            shared = t["turns"].index(1)     # turn 1 starts with the observation both were shown
+            assert t["tokens"][:shared] == first["tokens"][:shared] and t["states"] == first["states"]
+            assert sum(t["mask"][:shared]) == 0 < sum(first["mask"][:shared])
+            assert len(t["turn_rewards"]) == 2 and t["reward"] == sum(t["turn_rewards"])
