@@ -4,8 +4,8 @@ The task (this file's Env, tiny default model): two turns, each shows a digit d 
 reply starts with a larger digit; the reward (1 if both were right) comes only at the end, so a wrong first
 turn decides the episode. `Result.state_key` gives gigpo the state (digit shown, still winnable). grpo and
 gigpo sample 8 per prompt; branching 4, each forked into 2 before turn 1 (fewer tokens per step: it runs
-more steps). Reward at equal sampled tokens (and wall time): the mean training reward of the steps in the
-last quarter of the budget every run reached, over SEEDS. Ends with
+more steps). Reward at equal sampled tokens (and wall time): the mean training reward of the steps within
+the budget every run reached (learning speed; the last quarter's mean too), over SEEDS. Ends with
     reward at equal sampled tokens: grpo A, turn-level B, branching C (N seeds)
 
     flock /tmp/molt.lock python bench/turn_credit.py     # no arguments; ~8 min on 2 CPU cores
@@ -62,19 +62,25 @@ def run(name: str, seed: int, out: Path) -> list[tuple]:
         yield tokens, seconds, m["reward_mean"]
 
 
+def mean_reward(steps: list[tuple], i: int, budget: float, low: float) -> float:
+    rewards = [r for *x, r in steps if low * budget < x[i] <= budget]
+    return sum(rewards) / max(len(rewards), 1)
+
+
 def main():
     with tempfile.TemporaryDirectory() as tmp:
         runs = {(n, s): list(run(n, s, Path(tmp) / f"{n}-{s}")) for n in CONFIGS for s in SEEDS}
     out = {}
-    for i, key in enumerate(("tokens", "wall")):   # mean reward of the steps in the last quarter of the budget
+    for i, key in enumerate(("sampled tokens", "seconds")):   # budget: what the cheapest run used
         budget = min(steps[-1][i] for steps in runs.values())
-        at = lambda steps: [r for *x, r in steps if 0.75 * budget < x[i] <= budget] or [0.0]
-        out[key] = {n: sum(sum(at(runs[n, s])) / len(at(runs[n, s])) for s in SEEDS) / len(SEEDS) for n in CONFIGS}
-        print(f"{key} budget {budget:.0f}: " + ", ".join(f"{n} {r:.3f}" for n, r in out[key].items()))
+        for low, what in ((0.0, "mean"), (0.75, "last quarter")):
+            r = out[key, low] = {n: sum(mean_reward(runs[n, s], i, budget, low) for s in SEEDS) / len(SEEDS)
+                                 for n in CONFIGS}
+            print(f"reward, {what} of the first {budget:.0f} {key}: " + ", ".join(f"{n} {x:.3f}" for n, x in r.items()))
     for name in CONFIGS:
         print(f"{name}: per seed (tokens, seconds, final-step reward) "
               f"{[tuple(round(x, 2) for x in runs[name, s][-1]) for s in SEEDS]}")
-    r = out["tokens"]
+    r = out["sampled tokens", 0.0]
     print(f"reward at equal sampled tokens: grpo {r['grpo']:.3f}, turn-level {r['turn-level']:.3f}, "
           f"branching {r['branching']:.3f} ({len(SEEDS)} seeds)")
 
