@@ -181,9 +181,10 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
     leaves = await play(env, traj, messages, dict(sampling), None, 0)
     if branches <= 1:
         return leaves[0]
-    index = {id(t): i for i, t in enumerate(leaves)}   # local ids; the pool offsets them
-    for i, t in enumerate(leaves):
-        t.rollout_id, t.parent = i, None if t.parent is None else index[id(t.parent)]
+    for i, t in enumerate(leaves):   # local ids; the pool offsets them
+        t.rollout_id = i
+    for t in leaves:
+        t.parent = t.parent and t.parent.rollout_id
     return leaves
 
 

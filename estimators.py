@@ -233,7 +233,7 @@ def branch_value(rewards: Tensor, mask: Tensor, groups: Tensor, *, rollout_ids: 
     tok, G, valid = _turn_view(rewards, mask, turns, turn_rewards, 1.0)
     (B, K), pad = G.shape, torch.zeros(len(G), 1, device=G.device)
     V, _, n = _keyed_stats(G, groups, nodes, valid)
-    G, V, k = torch.cat([G, pad], 1), torch.cat([V, pad], 1), torch.arange(K, device=G.device).expand(B, K)  # 0 at the end
+    G, V, k = torch.cat([G, pad], 1), torch.cat([V, pad], 1), torch.arange(K, device=G.device).expand(B, K)  # 0: end
     n_next = torch.cat([n[:, 1:], pad], 1).clamp(min=1)                         # rows through the next node
     start = valid & ((k == 0) | (n > n_next))                                   # turn 0 and branch points
     a = torch.where(start, k, 0).cummax(1).values                              # [B, K] its span's first turn

@@ -52,8 +52,9 @@ class LargerDigit(Env):
 
 def run(name: str, seed: int, out: Path) -> list[tuple]:
     """(cumulative sampled tokens, cumulative step seconds, reward) per step of one run."""
-    cmd = [sys.executable, "main.py", "--agent", __file__, "--steps", str(round(STEPS * (4 / 3 if name == "branching" else 1))),
-           "--seed", str(seed), "--output_dir", str(out), *COMMON, *CONFIGS[name]]
+    steps = round(STEPS * (4 / 3 if name == "branching" else 1))
+    cmd = [sys.executable, "main.py", "--agent", __file__, "--steps", str(steps), "--seed", str(seed),
+           "--output_dir", str(out), *COMMON, *CONFIGS[name]]
     print("+", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     tokens = seconds = 0.0
@@ -70,17 +71,13 @@ def mean_reward(steps: list[tuple], i: int, budget: float, low: float) -> float:
 def main():
     with tempfile.TemporaryDirectory() as tmp:
         runs = {(n, s): list(run(n, s, Path(tmp) / f"{n}-{s}")) for n in CONFIGS for s in SEEDS}
-    out = {}
-    for i, key in enumerate(("sampled tokens", "seconds")):   # budget: what the cheapest run used
+    for i, key in ((1, "seconds"), (0, "sampled tokens")):   # budget: what the cheapest run used
         budget = min(steps[-1][i] for steps in runs.values())
-        for low, what in ((0.0, "mean"), (0.75, "last quarter")):
-            r = out[key, low] = {n: sum(mean_reward(runs[n, s], i, budget, low) for s in SEEDS) / len(SEEDS)
-                                 for n in CONFIGS}
-            print(f"reward, {what} of the first {budget:.0f} {key}: " + ", ".join(f"{n} {x:.3f}" for n, x in r.items()))
-    for name in CONFIGS:
-        print(f"{name}: per seed (tokens, seconds, final-step reward) "
-              f"{[tuple(round(x, 2) for x in runs[name, s][-1]) for s in SEEDS]}")
-    r = out["sampled tokens", 0.0]
+        for low, what in ((0.75, "last quarter"), (0.0, "mean")):
+            per_seed = {n: [mean_reward(runs[n, s], i, budget, low) for s in SEEDS] for n in CONFIGS}
+            r = {n: sum(v) / len(v) for n, v in per_seed.items()}
+            print(f"reward, {what} of the first {budget:.0f} {key}: " + ", ".join(
+                f"{n} {r[n]:.3f} (seeds {' '.join(f'{x:.3f}' for x in v)})" for n, v in per_seed.items()))
     print(f"reward at equal sampled tokens: grpo {r['grpo']:.3f}, turn-level {r['turn-level']:.3f}, "
           f"branching {r['branching']:.3f} ({len(SEEDS)} seeds)")
 
