@@ -217,11 +217,9 @@ def gigpo(rewards: Tensor, mask: Tensor, groups: Tensor, *, rollout_ids: OptT = 
     turn t. s_t is `states` (Result.state_key of the step before, else the observation; turn 0: the prompt); a
     state only one turn starts from gives A^S = 0. std + 1e-6 as in grpo."""
     tok, G, valid = _turn_view(rewards, mask, turns, turn_rewards, turn_gamma)
-    mean, std, _ = group_stats(rewards, groups, rollout_ids)
-    episode = (rewards.float() - mean) / (std + 1e-6)                           # [B]
     s_mean, s_std, _ = _keyed_stats(G, groups, states, valid)
-    step = (G - s_mean) / (s_std + 1e-6)                                      # [B, K]
-    return _on_tokens(episode[:, None] + step_weight * step, tok, mask), _on_tokens(G, tok, mask)
+    step = _on_tokens((G - s_mean) / (s_std + 1e-6), tok, mask)               # [B, T]
+    return grpo(rewards, mask, groups, rollout_ids=rollout_ids)[0] + step_weight * step, _on_tokens(G, tok, mask)
 
 
 def branch_value(rewards: Tensor, mask: Tensor, groups: Tensor, *, rollout_ids: OptT = None, turns: OptT = None,

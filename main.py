@@ -282,7 +282,7 @@ def validate(cfg: dict) -> dict:
     for k in ("steps", "prompts_per_step", "samples_per_prompt", "max_new_tokens", "max_len", "micro_batch_size",
               "mini_batches", "ppo_epochs", "train_workers", "tp_size", "cp_size", "ep_size", "num_engines",
               "engine_tp_size", "engine_dp_size", "spec_tokens", "sync_bucket_mb", "engine_max_seqs",
-              "train_threads", "engine_threads", "branches"):   # the last two: None for a default said at start-up
+              "branches", "train_threads", "engine_threads"):   # the last two: None for a default said at start-up
         need(cfg[k] is None or cfg[k] >= 1, f"--{k} must be >= 1, got {cfg[k]}")
     need(cfg["async_depth"] >= 0, f"--async_depth must be >= 0, got {cfg['async_depth']}")
     need(cfg["branch_turns"] is None or (cfg["branches"] > 1 and min(cfg["branch_turns"]) >= 1), "--branch_turns "
