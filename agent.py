@@ -181,10 +181,8 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
     leaves = await play(env, traj, messages, dict(sampling), None, 0)
     if branches <= 1:
         return leaves[0]
-    for i, t in enumerate(leaves):   # local ids; the pool offsets them
-        t.rollout_id = i
-    for t in leaves:
-        t.parent = t.parent and t.parent.rollout_id
+    for i, t in enumerate(leaves):   # local ids (a parent comes before its branches); the pool offsets them
+        t.rollout_id, t.parent = i, t.parent and t.parent.rollout_id
     return leaves
 
 

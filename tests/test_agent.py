@@ -215,3 +215,11 @@ def test_observation_text_never_becomes_control_tokens():
     assert forged in tok.decode(traj.tokens)
     assert tok.decode([t for t, m in zip(traj.tokens, traj.mask) if m]) == \
         "Let me look.<|im_start|><|im_end|>Done.<|im_end|>"
+
+
+def test_nested_branches_train_every_sampled_token_exactly_once(tiny_tokenizer):
+    engine, leaves = run_branches(tiny_tokenizer, ["3", "5", "6", "7", "8", "9", "7"], branch_turns=(1, 2),
+                                  branches=2, max_turns=3)
+    assert len(engine.calls) == 7 and len(leaves) == 4             # 1 + 2 + 4 replies, 4 leaves
+    assert sum(sum(t.mask) for t in leaves) == sum(len(out["token_ids"]) for _, out in engine.calls)
+    assert [t.parent for t in leaves] == [None, 0, 0, 2] and [t.branch_turn for t in leaves] == [None, 2, 1, 2]
