@@ -125,7 +125,8 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool,
 def _specials(tokenizer) -> tuple[Any, dict[str, str], dict[str, list[int]]]:
     """(a pattern of the special-token strings, string -> placeholder, placeholder -> the string's
     ids as plain text). Placeholders: Unicode private-use characters, one per special token."""
-    names = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len, reverse=True)
+    names = sorted({t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special},
+                   key=len, reverse=True)
     holders = {name: chr(0xF0000 + i) for i, name in enumerate(names)}
     plain = {holders[n]: tokenizer(n, add_special_tokens=False, split_special_tokens=True)["input_ids"] for n in names}
     return re.compile("|".join(map(re.escape, names)) or "(?!)"), holders, plain

@@ -44,7 +44,7 @@ SYSTEM = ("You can run Python. To run code, write it in a ```python code block; 
           "it prints. When you know the answer, reply with <answer>NUMBER</answer> and nothing else.")
 UIDS = 2**31   # the snippet runs as UIDS + a random number (when the trainer is root)
 NPROC = 64   # processes per sandbox (RLIMIT_NPROC counts a uid's: one uid, or user namespace, per sandbox)
-KEYCTL = {"x86_64": 250, "aarch64": 219}   # the keyctl syscall's number
+KEYCTL = {"x86_64": 250, "aarch64": 219, "riscv64": 219}   # the keyctl syscall's number (else: refused)
 READY = b"\0sandbox ready\n"   # written just before the snippet starts (none: set-up failed)
 
 # The launcher: PID 1 of the new namespaces (argv: root folder, code, memory bytes, CPU
@@ -141,7 +141,7 @@ def sandbox_command(timeout: float, memory_mb: int, root: str, code: str, groups
     userns = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
     uid = UIDS + secrets.randbelow(2**30)   # its own uid: user keyring and process count not shared
     launcher = (f"UID, READY, in_userns, TAG, GROUPS, NPROC, KEYCTL = {uid}, {READY!r}, {bool(userns)}, {TAG!r}, "
-                f"{groups!r}, {NPROC}, {KEYCTL[os.uname().machine]}\n" + LAUNCHER)
+                f"{groups!r}, {NPROC}, {KEYCTL.get(os.uname().machine, -1)}\n" + LAUNCHER)
     return ["unshare", "--pid", "--fork", "--kill-child", "--mount", "--net", "--ipc", "--uts", *userns,
             os.path.realpath(sys.executable), "-I", "-c", launcher, root, code, str(memory_mb * 2**20),
             str(int(timeout) + 1)]
@@ -184,7 +184,6 @@ async def remove_cgroups(groups: list[str]):
         for _ in range(200):   # a killed namespace's processes take a moment to leave
             with contextlib.suppress(OSError):
                 os.rmdir(folder)
-            if not os.path.isdir(folder):
                 break
             await asyncio.sleep(0.01)
 
