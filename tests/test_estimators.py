@@ -220,6 +220,10 @@ def test_gigpo_episode_plus_step_groups():
     adv, _ = compute_advantages("gigpo", rew, mask, ids([0, 0, 0]), turns=turns, turn_rewards=trew,
                                 states=states, step_weight=0.0)
     close(adv, compute_advantages("grpo", rew, mask, ids([0, 0, 0]))[0].tolist())
+    # Segments of one rollout count once in the episode term, as in grpo.
+    seg = dict(rollout_ids=ids([0, 0, 1]), turns=turns, turn_rewards=trew, step_weight=0.0)
+    adv, _ = compute_advantages("gigpo", t([1, 1, 0]), mask, ids([0, 0, 0]), **seg)
+    close(adv, [[1, 0, 1, 0], [1, 0, 1, 0], [-1, 0, -1, 0]], atol=1e-4)
 
 
 def test_branch_value_spans_between_branch_points():
