@@ -36,6 +36,7 @@ the agent's `prompts(seed)` or from a `--dataset` file (data.py).
 
 import asyncio
 import contextlib
+import copy
 import importlib.util
 import inspect
 import json
@@ -68,6 +69,7 @@ class Result:
     score: float | None = None       # for dashboards/filtering; defaults to reward
     sampling_params: dict | None = None        # next turn: max_tokens, stop_token_ids, seed (not temperature/top_p/top_k)
     images: list | None = None       # shown with the observation next turn (Env; VLMs): paths, data URIs, PIL
+    state_key: str | None = None     # the state reached, for --estimator gigpo (default: the observation)
 
 
 @dataclass
@@ -101,69 +103,101 @@ class Env(_Agent):
     async def step(self, state: State) -> Result:
         raise NotImplementedError
 
+    def fork(self) -> "Env":
+        """A copy that continues independently from this state (--branches); override if deepcopy cannot."""
+        return copy.deepcopy(self)
+
 
 Call = Callable[..., Awaitable[Any]]        # (fn, *args) -> what fn(*args) returns, run where agent code runs
 
 
 async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
                   sampling: dict, max_len: int, max_turns: int | None = None,
-                  image_tokens=None, max_images: int | None = None, call: Call | None = None) -> Trajectory:
+                  image_tokens=None, max_images: int | None = None, call: Call | None = None,
+                  branch_turns: tuple = (), branches: int = 1) -> Trajectory | list[Trajectory]:
     """Run one episode of `env` on `row`; returns its token-exact trajectory. For a vision-language model
     `image_tokens` (vision.ImageTokens) places the row's images (row["images"]) and the observations'
     (Result.images); a trajectory shows at most `max_images` (the engine's per-request limit): an observation
     over it ends the episode. `call(fn, *args)` runs the env's own code (reset, step): the loop passes one that
-    runs it on an agent thread (faults.AgentThreads), so a blocking step cannot freeze the loop."""
+    runs it on an agent thread (faults.AgentThreads), so a blocking step cannot freeze the loop.
+    `branches` M > 1: forks (`Env.fork`) before each of `branch_turns` into M continuations; returns the leaves,
+    shared tokens trained in the first (the others' `parent`), failed ones left out (info["branches_dropped"])."""
     call = call or _call_here
     images = image_tokens.uris(row.get("images")) if image_tokens else _no_images(row.get("images"))
     messages = with_images(prompt_messages(row["prompt"]), images)
     await call(env.reset, row)
-    traj = Trajectory(tokens=[], mask=[], logprobs=[], versions=[], reward=0.0, images=images)
+    traj = Trajectory(tokens=[], mask=[], logprobs=[], versions=[], reward=0.0, images=images, states=[""])
     prompt = encode(tokenizer, render(tokenizer, messages, add_generation_prompt=True))
     traj.add(image_tokens.expand(prompt, images) if images else prompt, False)
     turns = max_turns or env.max_turns
-    params = dict(sampling)
-    observation, scores, info = None, [], {}
     if len(traj.tokens) >= max_len:   # no room for a reply: not a row to train
         raise DropRollout("prompt_too_long", f"the prompt is {len(traj.tokens)} tokens, no room for a reply "
                           f"within --max_len {max_len}")
-    for turn in range(turns):
-        budget = max_len - len(traj.tokens)
-        if budget <= 0:
-            traj.info["truncated"] = 1.0
-            break
-        out = await sample(generate, traj.tokens, traj.images,
-                            {**params, "max_tokens": min(params["max_tokens"], budget)}, image_tokens)
-        traj.add(out["token_ids"], True, out["logprobs"], out.get("versions", out["version"]))
-        action = decode_reply(tokenizer, out["token_ids"])
-        messages.append({"role": "assistant", "content": action})
-        result = await call(env.step, State(prompt=row["prompt"], label=row.get("label"), action=action,
-                                            observation=observation, messages=messages, turn=turn,
-                                            sampling_params=params, row=row, finish_reason=out["finish_reason"]))
-        reward = float(result.reward)
-        if not math.isfinite(reward):
-            raise ValueError(f"agent returned a non-finite reward {result.reward!r}")
-        traj.reward += reward
-        scores.append(reward if result.score is None else float(result.score))
-        info.update(result.info)
-        if result.terminated or result.truncated or turn == turns - 1:
-            break
-        observation = result.observation or ""
-        new_images = image_tokens.uris(result.images) if image_tokens else _no_images(result.images)
-        content = with_images([{"role": "user", "content": observation}], new_images)[0]["content"]
-        obs_ids = delta_ids(tokenizer, messages, out["token_ids"], [{"role": "user", "content": content}])
-        obs_ids = image_tokens.expand(obs_ids, new_images) if new_images else obs_ids
-        if (len(traj.tokens) + len(obs_ids) >= max_len  # whole observations only: never half an image
-                or (max_images is not None and len(traj.images) + len(new_images) > max_images)):
-            traj.info["truncated"] = 1.0
-            break
-        traj.add(obs_ids, False)
-        traj.images += new_images
-        messages.append({"role": "user", "content": content})
-        params = {**params, **_override(params, result.sampling_params)}
-    traj.score = sum(scores)
-    traj.info.update({k: float(v) for k, v in info.items()})
-    traj.info["turns"] = float(len(scores))
-    return traj
+
+    async def play(env: Env, traj: Trajectory, messages: list, params: dict, observation, first: int) -> list:
+        for turn in range(first, turns):
+            if turn in branch_turns and turn > first and branches > 1:
+                return await fork([(env, traj, messages, params, observation)] + [
+                    (env.fork(), *copy.deepcopy((traj, messages, params, observation))) for _ in range(branches - 1)],
+                    turn, len(traj.tokens))
+            budget = max_len - len(traj.tokens)
+            if budget <= 0:
+                traj.info["truncated"] = 1.0
+                break
+            out = await sample(generate, traj.tokens, traj.images,
+                               {**params, "max_tokens": min(params["max_tokens"], budget)}, image_tokens)
+            traj.add(out["token_ids"], True, out["logprobs"], out.get("versions", out["version"]))
+            action = decode_reply(tokenizer, out["token_ids"])
+            messages.append({"role": "assistant", "content": action})
+            result = await call(env.step, State(prompt=row["prompt"], label=row.get("label"), action=action,
+                                                observation=observation, messages=messages, turn=turn,
+                                                sampling_params=params, row=row, finish_reason=out["finish_reason"]))
+            reward = float(result.reward)
+            if not math.isfinite(reward):
+                raise ValueError(f"agent returned a non-finite reward {result.reward!r}")
+            traj.reward += reward
+            traj.turn_rewards.append(reward)
+            traj.score += reward if result.score is None else float(result.score)
+            traj.info.update({k: float(v) for k, v in result.info.items()})
+            if result.terminated or result.truncated or turn == turns - 1:
+                break
+            observation = result.observation or ""
+            new_images = image_tokens.uris(result.images) if image_tokens else _no_images(result.images)
+            content = with_images([{"role": "user", "content": observation}], new_images)[0]["content"]
+            obs_ids = delta_ids(tokenizer, messages, out["token_ids"], [{"role": "user", "content": content}])
+            obs_ids = image_tokens.expand(obs_ids, new_images) if new_images else obs_ids
+            if (len(traj.tokens) + len(obs_ids) >= max_len  # whole observations only: never half an image
+                    or (max_images is not None and len(traj.images) + len(new_images) > max_images)):
+                traj.info["truncated"] = 1.0
+                break
+            traj.add(obs_ids, False)
+            traj.images += new_images
+            traj.states.append(observation if result.state_key is None else str(result.state_key))
+            messages.append({"role": "user", "content": content})
+            params = {**params, **_override(params, result.sampling_params)}
+        traj.info["turns"] = float(len(traj.turn_rewards))
+        return [traj]
+
+    async def fork(episodes: list, turn: int, shared: int) -> list[Trajectory]:
+        done = await asyncio.gather(*[play(*e, turn) for e in episodes], return_exceptions=True)
+        failed = [e for e in done if isinstance(e, BaseException)]
+        if len(failed) == len(done):
+            raise failed[0]
+        leaves = [t for d in done if not isinstance(d, BaseException) for t in d]
+        for t in leaves:
+            t.info["branches_dropped"] = t.info.get("branches_dropped", 0.0) + len(failed)
+        for t in leaves[1:]:      # the shared prefix is trained once, in the first leaf
+            t.mask[:shared], t.logprobs[:shared], t.versions[:shared] = [0] * shared, [0.0] * shared, [-1] * shared
+            if t.parent is None:
+                t.parent, t.branch_turn = leaves[0], turn
+        return leaves
+
+    leaves = await play(env, traj, messages, dict(sampling), None, 0)
+    if branches <= 1:
+        return leaves[0]
+    for i, t in enumerate(leaves):   # local ids (a parent comes before its branches); the pool offsets them
+        t.rollout_id, t.parent = i, t.parent and t.parent.rollout_id
+    return leaves
 
 
 # What an Env's Result.sampling_params may set for its next turn, and the values each takes.
@@ -264,16 +298,17 @@ async def run_chat_agent(agent: ChatAgent, row: dict, generate: Generate, tokeni
     info.update(segments=float(len(segments)), requests=float(session.requests))
     if session.truncated:
         info["truncated"] = 1.0
-    for seg in segments:
-        seg.reward, seg.info = reward, dict(info)
+    for seg in segments:   # a ChatAgent's reward sits on the last turn of each segment
+        seg.reward, seg.info, seg.turn_rewards = reward, dict(info), [0.0] * seg.turns[-1] + [reward]
         seg.score = reward if result.score is None else float(result.score)
     return segments
 
 
 async def run_agent(cfg: dict, agent_cls: type, row: dict, generate, tokenizer, server, sampling: dict,
-                    call=None) -> list:
-    """One rollout of either agent form, within --agent_timeout; returns its segments. `call`
-    runs the agent's own code (an agent thread's `call`; None: in this loop)."""
+                    call=None, branch: bool = False) -> list:
+    """One rollout of either agent form, within --agent_timeout; returns its segments (or, with `branch`
+    and --branches, an Env's branches). `call` runs the agent's own code (an agent thread's `call`; None: in
+    this loop)."""
     images = vision.image_tokens(cfg["model"])  # None for a text model
     if issubclass(agent_cls, ChatAgent):
         run = run_chat_agent(agent_cls(), row, generate, tokenizer, server, sampling=sampling,
@@ -281,7 +316,8 @@ async def run_agent(cfg: dict, agent_cls: type, row: dict, generate, tokenizer, 
     else:
         run = run_env(agent_cls(), row, generate, tokenizer, sampling=sampling, max_len=cfg["max_len"],
                       max_turns=cfg["max_turns"], image_tokens=images, max_images=cfg["max_images_per_prompt"],
-                      call=call)
+                      call=call, branch_turns=cfg.get("branch_turns") or (1,),
+                      branches=cfg.get("branches", 1) if branch else 1)
     # a program times out by itself, then its process group is killed and its stderr shown: a grace for that
     limit = cfg["agent_timeout"] + 5.0 * issubclass(agent_cls, Program)
     try:

@@ -33,6 +33,9 @@ def collate(trajectories: list[dict], pad_id: int, multiple: int = 1) -> dict[st
         "groups": torch.tensor([t["group"] for t in trajectories], dtype=torch.long),
         "rollout_ids": torch.tensor([t["rollout_id"] for t in trajectories], dtype=torch.long),
     }
+    if all(len(t.get("turns", ())) == len(t["tokens"]) and len(t.get("turn_rewards", ())) == t["turns"][-1] + 1
+           for t in trajectories):
+        batch.update(turn_batch(trajectories, T))
     if any(t.get("images") for t in trajectories):              # a VLM's rows: images in pad order
         batch["images"] = [list(t.get("images") or []) for t in trajectories]
     if all(t.get("routing") is not None for t in trajectories):
@@ -43,6 +46,25 @@ def collate(trajectories: list[dict], pad_id: int, multiple: int = 1) -> dict[st
             routing[i, :len(r)] = r
         batch["routing"] = routing
     return batch
+
+
+def turn_batch(trajectories: list[dict], T: int) -> dict[str, torch.Tensor]:
+    """Per-turn credit (estimators.INPUTS): "turns" [B, T] each predicted token's turn (-1: padding),
+    "turn_rewards" [B, K]; ids [B, K] (-1 past a row's end) of "nodes", (group, tokens before the turn: branches
+    share their prefix's), and, if every row has them, of "states", (group, Result.state_key or observation)."""
+    K, ids = max(len(t["turn_rewards"]) for t in trajectories), {}
+
+    def key_ids(keys: list) -> list[int]:
+        return [ids.setdefault(k, len(ids)) for k in keys] + [-1] * (K - len(keys))
+    out = {"turns": torch.tensor([t["turns"][1:] + [-1] * (T - len(t["turns"])) for t in trajectories]),
+           "turn_rewards": torch.tensor([t["turn_rewards"] + [0.0] * (K - len(t["turn_rewards"]))
+                                         for t in trajectories], dtype=torch.float32),
+           "nodes": torch.tensor([key_ids([(t["group"], hash(tuple(t["tokens"][:t["turns"].index(k)])))
+                                           for k in range(len(t["turn_rewards"]))]) for t in trajectories])}
+    if all(t.get("states") for t in trajectories):
+        out["states"] = torch.tensor([key_ids([(t["group"], "state", s) for s in t["states"][:len(t["turn_rewards"])]])
+                                      for t in trajectories])
+    return out
 
 
 def split_rows(rows: torch.Tensor, cost: torch.Tensor, n: int) -> list[torch.Tensor]:

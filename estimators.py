@@ -60,18 +60,13 @@ def group_stats(rewards: Tensor, groups: Tensor, rollout_ids: OptT = None) -> tu
     return mean[gi][inv], var.sqrt()[gi][inv], n[gi][inv]
 
 
-def _last_action(mask: Tensor) -> Tensor:
-    """[B, T] one-hot of each row's last action token (all zero for rows without one)."""
-    m = mask.bool()
-    last = m.shape[1] - 1 - m.flip(1).int().argmax(1)  # [B]
-    return torch.zeros(m.shape, device=m.device).scatter_(1, last[:, None], 1.0) * m.any(1, keepdim=True)
-
-
 def _token_rewards(name: str, seq_reward: Tensor, mask: Tensor, kl: OptT, kl_coef: float) -> Tensor:
     """Sequence reward on the last action token plus -kl_coef * kl on every action token. [B, T]"""
     if kl_coef != 0.0 and kl is None:
         raise ValueError(f"{name}: kl_coef={kl_coef} needs kl (log pi - log pi_ref), got kl=None")
-    r = seq_reward.float()[:, None] * _last_action(mask)
+    m = mask.bool()
+    last = m.shape[1] - 1 - m.flip(1).int().argmax(1)  # [B] each row's last action token (none: masked below)
+    r = torch.zeros(m.shape, device=m.device).scatter_(1, last[:, None], seq_reward.float()[:, None]) * m
     if kl_coef != 0.0:
         r = r - kl_coef * torch.where(mask.bool(), kl.float(), 0)
     return r
@@ -168,6 +163,85 @@ def on_policy_distill(rewards: Tensor, mask: Tensor, groups: Tensor, *, kl: OptT
     return adv, adv.clone()
 
 
+# ---------------------------------------------------------------- per-turn credit (inputs: batches.turn_batch)
+
+def _turn_view(rewards: Tensor, mask: Tensor, turns: OptT, turn_rewards: OptT, gamma: float) -> tuple[Tensor, ...]:
+    """(turn of each token [B, T], G [B, K] the return from each turn, valid [B, K]). Without `turns` each run of
+    action tokens is a turn; without `turn_rewards` the reward sits on the last turn."""
+    m = mask.bool()
+    if turns is None:
+        starts = m & ~torch.cat([torch.zeros_like(m[:, :1]), m[:, :-1]], 1)   # first token of each run
+        turns = starts.long().cumsum(1) - 1                                    # [B, T]
+    n = turns.max(1).values + 1                                                # [B] turns per row
+    if turn_rewards is None:
+        turn_rewards = torch.zeros(len(n), max(int(n.max()), 1), device=mask.device).scatter_(
+            1, (n - 1).clamp(min=0)[:, None], (rewards.float() * (n > 0))[:, None])
+    valid = torch.arange(turn_rewards.shape[1], device=mask.device) < n[:, None]
+    R = turn_rewards.float()
+    return turns.clamp(min=0), _discounted_returns(R, torch.ones_like(R), gamma), valid
+
+
+def _on_tokens(x: Tensor, turns: Tensor, mask: Tensor) -> Tensor:
+    """[B, K] per turn -> [B, T] on each action token of the turn."""
+    return torch.where(mask.bool(), x.gather(1, turns), 0)
+
+
+def _keyed_stats(x: Tensor, groups: Tensor, keys: OptT, valid: Tensor) -> list[Tensor]:
+    """(mean, std, count) [B, K] of x over valid turns of one (group, key); no keys: only turn 0 is shared."""
+    B, K = x.shape
+    if keys is None:
+        k = torch.arange(K, device=x.device)
+        keys = torch.where(k == 0, 0, 1 + torch.arange(B, device=x.device)[:, None] * K + k)
+    g = groups[:, None].expand(B, K)
+    _, kid = torch.unique(torch.stack([g[valid], keys[valid]], 1), dim=0, return_inverse=True)
+    return [torch.zeros_like(x).masked_scatter(valid, s) for s in group_stats(x[valid], kid)]
+
+
+def turn_reinforce(rewards: Tensor, mask: Tensor, groups: Tensor, *,
+                   turns: OptT = None, turn_rewards: OptT = None, turn_gamma: float = 1.0) -> Pair:
+    """REINFORCE++ with per-turn returns: G_k = sum_{j>=k} turn_gamma^(j-k) r_j over the rollout's turn rewards,
+    minus the mean G_k of its group's rollouts that have a turn k, whitened over the batch's action tokens."""
+    tok, G, valid = _turn_view(rewards, mask, turns, turn_rewards, turn_gamma)
+    mean, _, _ = _keyed_stats(G, groups, torch.arange(G.shape[1], device=G.device).expand_as(G), valid)
+    return whiten(_on_tokens(G - mean, tok, mask), mask), _on_tokens(G, tok, mask)
+
+
+def gigpo(rewards: Tensor, mask: Tensor, groups: Tensor, *, rollout_ids: OptT = None, turns: OptT = None,
+          turn_rewards: OptT = None, states: OptT = None, turn_gamma: float = 1.0, step_weight: float = 1.0) -> Pair:
+    """GiGPO (Feng et al., 2025, "Group-in-Group Policy Optimization for LLM Agent Training"), F_norm = std:
+        episode level  A^E(tau_i) = (R(tau_i) - mean_j R(tau_j)) / std_j R(tau_j)   over the group's rollouts
+        step level     R_t^(i) = sum_{k>=t} gamma^(k-t) r_k^(i)    (gamma: --turn_gamma)
+                       G^S(s) = {(a_t^(i), R_t^(i)) : s_t^(i) = s}  the group's turns from the anchor state s
+                       A^S(a_t^(i)) = (R_t^(i) - mean G^S(s)) / std G^S(s)
+        combined       A(a_t^(i)) = A^E(tau_i) + omega * A^S(a_t^(i))   (omega: --step_weight), on every token of
+    turn t. s_t is `states` (Result.state_key of the step before, else the observation; turn 0: the prompt); a
+    state only one turn starts from gives A^S = 0. std + 1e-6 as in grpo."""
+    tok, G, valid = _turn_view(rewards, mask, turns, turn_rewards, turn_gamma)
+    s_mean, s_std, _ = _keyed_stats(G, groups, states, valid)
+    step = _on_tokens((G - s_mean) / (s_std + 1e-6), tok, mask)               # [B, T]
+    return grpo(rewards, mask, groups, rollout_ids=rollout_ids)[0] + step_weight * step, _on_tokens(G, tok, mask)
+
+
+def branch_value(rewards: Tensor, mask: Tensor, groups: Tensor, *, rollout_ids: OptT = None, turns: OptT = None,
+                 turn_rewards: OptT = None, nodes: OptT = None) -> Pair:
+    """Monte-Carlo values from branched rollouts (--branches; VinePPO's idea, Kazemnejad et al., 2024): V(s) = the
+    mean return of the rows through node s (the same tokens before the turn). The turns from one branch point a
+    (a node whose rows go on to different nodes or end) to the next c share the value change they made:
+    A = r_a + ... + r_{c-1} + V(s_c) - V(s_a) (V = 0 at the end), / the group's reward std. No branches: grpo."""
+    tok, G, valid = _turn_view(rewards, mask, turns, turn_rewards, 1.0)
+    (B, K), pad = G.shape, torch.zeros(len(G), 1, device=G.device)
+    V, _, n = _keyed_stats(G, groups, nodes, valid)
+    G, V, k = torch.cat([G, pad], 1), torch.cat([V, pad], 1), torch.arange(K, device=G.device).expand(B, K)  # 0: end
+    n_next = torch.cat([n[:, 1:], pad], 1).clamp(min=1)                         # rows through the next node
+    start = valid & ((k == 0) | (n > n_next))                                   # turn 0 and branch points
+    a = torch.where(start, k, 0).cummax(1).values                              # [B, K] its span's first turn
+    after = torch.cat([torch.where(start, k, K)[:, 1:], pad.long() + K], 1).flip(1).cummin(1).values.flip(1)
+    c = torch.minimum(after, valid.sum(1, keepdim=True))                        # [B, K] the next span's first
+    adv = G.gather(1, a) - G.gather(1, c) + V.gather(1, c) - V.gather(1, a)
+    _, std, _ = group_stats(rewards, groups, rollout_ids)
+    return _on_tokens(adv / (std[:, None] + 1e-6), tok, mask), _on_tokens(G[:, :K], tok, mask)
+
+
 @dataclass(frozen=True)
 class Spec:
     """An estimator and what the rest of the code needs to know about it (main.validate refuses flags by these,
@@ -195,8 +269,9 @@ class Spec:
 
 
 # What the trainer offers every estimator (Trainer.train_step); each function takes the ones it names.
-INPUTS = ("rollout_ids", "kl", "kl_coef", "values")
+INPUTS = ("rollout_ids", "kl", "kl_coef", "values", "turns", "turn_rewards", "states", "nodes")
 GAMMA = Setting(1.0, "discount over action tokens", low=0, high=1)
+TURN_GAMMA = Setting(1.0, "discount across turns (per-turn returns)", low=0, high=1)
 _GROUP_NORMALIZED = "normalizes a sequence reward within its group"
 ESTIMATORS: dict[str, Spec] = {
     "reinforce": Spec(reinforce, settings={"gamma": GAMMA}),
@@ -207,4 +282,9 @@ ESTIMATORS: dict[str, Spec] = {
     "dr_grpo": Spec(dr_grpo, min_group=2, no_kl_in_reward=_GROUP_NORMALIZED),
     "gae": Spec(gae, critic=True, settings={"gamma": GAMMA, "lam": Setting(1.0, "GAE lambda", low=0, high=1)}),
     "on_policy_distill": Spec(on_policy_distill, teacher=True),
+    "turn_reinforce": Spec(turn_reinforce, min_group=2, no_kl_in_reward="takes per-turn rewards only",
+                           settings={"turn_gamma": TURN_GAMMA}),
+    "gigpo": Spec(gigpo, min_group=2, no_kl_in_reward=_GROUP_NORMALIZED, settings={
+        "turn_gamma": TURN_GAMMA, "step_weight": Setting(1.0, "weight of the step-level advantage", low=0)}),
+    "branch_value": Spec(branch_value, min_group=2, no_kl_in_reward=_GROUP_NORMALIZED),
 }

@@ -64,7 +64,7 @@ class RolloutPool:
         self.last_failure = ""    # the latest drop's detail (traceback), for the error that stops a run
         self.dropped: list[dict] = []  # with --dump_rollouts: rollouts dropped since the last dump, with why
         self.failed_in_a_row = 0  # groups, in finish order, with nothing to train (all failed or filtered)
-        self.rollout_ids = itertools.count()
+        self.next_rollout = 0
 
     def fill(self, allowed: int):
         """Start groups until `allowed` (+ refills) have started or the pool is full."""
@@ -95,7 +95,7 @@ class RolloutPool:
         thread = self.threads.take() if self.threads else None
         try:
             segments = await agents.run_agent(self.cfg, self.agent_cls, row, self.generate.session(), self.tokenizer,
-                                       self.server, self.sampling(), thread.call if thread else None)
+                                       self.server, self.sampling(), thread.call if thread else None, branch=True)
         except trajectory.DropRollout as e:   # a timeout names the code that blocks the agent's thread, if any
             stuck = e.reason == "timeout" and thread is not None and thread.blocked_for() > 1.0
             self._drop(e.reason, str(e) + (f"; the agent's code is blocking its thread at:\n{thread.stack()}"
@@ -109,9 +109,11 @@ class RolloutPool:
         finally:
             if thread is not None:
                 self.threads.give_back(thread)
-        rollout_id = next(self.rollout_ids)
+        first = self.next_rollout   # a rollout's segments share an id; its branches (--branches) have their own
         for seg in segments:
-            seg.group, seg.rollout_id = group, rollout_id
+            seg.group, seg.rollout_id = group, first + seg.rollout_id
+            seg.parent = None if seg.parent is None else first + seg.parent
+        self.next_rollout = max(s.rollout_id for s in segments) + 1
         return segments
 
     def _drop(self, reason: str, detail: str, group: int, row: dict):

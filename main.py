@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (trainer logprobs use the same)")
     g.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling (1.0 = off; < 1 only with --is_level off: "
                    "the engine's logprobs are then of the truncated distribution, the trainer's of the full one)")
+    g.add_argument("--branches", type=int, default=1, help="continuations forked (Env.fork) at each branch point of "
+                   "an Env episode, each a rollout; shared tokens are trained once (--estimator branch_value)")
+    g.add_argument("--branch_turns", type=int, nargs="+", default=None, help="turns before which an episode "
+                   "branches (with --branches > 1; default: 1)")
     g.add_argument("--agent_timeout", type=float, default=300.0, help="seconds before a rollout is dropped")
     g.add_argument("--max_failed_groups", type=int, default=100, help="stop the run when this many prompt groups "
                    "in a row gave nothing to train (all rollouts failed, or equal rewards with --filter_groups)")
@@ -285,9 +289,11 @@ def validate(cfg: dict) -> dict:
     for k in ("steps", "prompts_per_step", "samples_per_prompt", "max_new_tokens", "max_len", "micro_batch_size",
               "mini_batches", "ppo_epochs", "train_workers", "tp_size", "cp_size", "ep_size", "num_engines",
               "engine_tp_size", "engine_dp_size", "spec_tokens", "sync_bucket_mb", "engine_max_seqs",
-              "train_threads", "engine_threads"):   # the last two: None for a default said at start-up
+              "branches", "train_threads", "engine_threads"):   # the last two: None for a default said at start-up
         need(cfg[k] is None or cfg[k] >= 1, f"--{k} must be >= 1, got {cfg[k]}")
     need(cfg["async_depth"] >= 0, f"--async_depth must be >= 0, got {cfg['async_depth']}")
+    need(cfg["branch_turns"] is None or (cfg["branches"] > 1 and min(cfg["branch_turns"]) >= 1), "--branch_turns "
+         f"{cfg['branch_turns']}: needs --branches > 1 and turns >= 1 (turn 0 is the prompt: --samples_per_prompt)")
     for k, op, bound in (("kl_coef", ">=", 0), ("reward_clip", ">", 0), ("lr", ">", 0), ("agent_timeout", ">", 0),
                          ("eval_every", ">=", 0), ("save_every", ">=", 0), ("kv_cache_gb", ">", 0),
                          ("eval_temperature", ">=", 0), ("keep_checkpoints", ">=", 1), ("max_failed_groups", ">=", 1),
@@ -469,6 +475,9 @@ def validate(cfg: dict) -> dict:
          "render prompts with it (add one to tokenizer_config.json or chat_template.jinja)")
     import agent as agents
     agent_cls = agents.agent_class(cfg)
+    need(cfg["branches"] == 1 or issubclass(agent_cls, agents.Env), f"--branches {cfg['branches']}: "
+         f"{agent_cls.__name__} is not an Env; only an Env's state is the framework's to copy (a ChatAgent or a "
+         "program runs its own loop), so it cannot branch: drop --branches")
     if issubclass(agent_cls, agents.ChatAgent):  # only the server parses replies (vLLM's parsers: a ~10 s import)
         import server
         server.reply_parsers(cfg["tool_parser"], cfg["reasoning_parser"], tokenizer)   # known names that fit the vocabulary

@@ -299,7 +299,8 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         advantages, returns = self.estimator(  # it gets the inputs it names, and its own settings
             rewards, mask, batch["groups"], {k: cfg[k] for k in self.estimator.settings},
             rollout_ids=batch["rollout_ids"], kl=kl, kl_coef=kl_coef,
-            values=old_values if self.critic is not None else None)
+            values=old_values if self.critic is not None else None,
+            **{k: batch.get(k) for k in ("turns", "turn_rewards", "states", "nodes")})   # per-turn credit
 
         # PPO: --ppo_epochs passes over the batch, each split into --mini_batches optimizer
         # steps; every micro-batch (on every rank) is normalized by the tokens (or rows) of

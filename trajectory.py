@@ -37,9 +37,15 @@ class Trajectory:
     score: float = 0.0
     info: dict = field(default_factory=dict)
     images: list[str] = field(default_factory=list)  # PNG data URIs, in the order of their pads in tokens
+    turns: list[int] = field(default_factory=list)  # per token: its turn (k-th reply, prompt/observation before)
+    turn_rewards: list[float] = field(default_factory=list)  # per turn: its reward (they sum to reward)
+    states: list[str] | None = None  # per turn: the state it starts from (Result.state_key, else the observation)
+    parent: int | None = None        # a branch: the rollout that trains the prefix it shares (--branches)
+    branch_turn: int | None = None   # ... and the turn it branched at (its tokens before are not trained here)
 
     def add(self, ids: list[int], sampled: bool, logprobs: list[float] | None = None,
             version: int | list[int] = -1):
+        self.turns += [self.turns[-1] + self.mask[-1] if self.turns else 0] * len(ids)   # after a reply: a new turn
         self.tokens += ids
         self.mask += [int(sampled)] * len(ids)
         self.logprobs += list(logprobs) if sampled else [0.0] * len(ids)

@@ -7,7 +7,7 @@ import pytest
 
 import agent as agents
 from agent import Env, Result
-from fakes import FakeEngine
+from fakes import FakeEngine, fake
 from trajectory import DropRollout
 
 
@@ -141,6 +141,91 @@ def test_tiny_tokenizer_encodes_unknown_text_as_its_unknown_token_and_its_cache_
     assert tok("h", add_special_tokens=False)["input_ids"] == [tok.unk_token_id] != [tok.eos_token_id]
 
 
+class Forks(Guess):
+    forks, max_turns = 0, 2
+
+    def fork(self):
+        Forks.forks += 1
+        return super().fork()
+
+    async def step(self, state):
+        if state.action == "4":
+            raise RuntimeError("this branch fails")
+        result = await super().step(state)
+        result.state_key = f"after {state.action}" if state.turn == 0 else None
+        return result
+
+
+def run_branches(tok, replies, **kw):
+    engine = fake(tok, replies)
+    return engine, asyncio.run(agents.run_env(Forks(), {"prompt": "?", "label": "7"}, engine, tok,
+                                              sampling={"max_tokens": 4, "temperature": 1.0}, max_len=64, **kw))
+
+
+def test_turns_and_turn_rewards_are_kept(tiny_tokenizer):
+    engine, traj = run_branches(tiny_tokenizer, ["3", "5", "7"], max_turns=3)
+    assert traj.turn_rewards == pytest.approx([-0.1, -0.1, 1.0]) and traj.reward == pytest.approx(0.8)
+    assert traj.states == ["", "after 3", "1"]   # the Env's key, else the observation
+    assert len(traj.turns) == len(traj.tokens)
+    # Each turn's tokens: the prompt or observation before it (what the engine was given last) and its reply.
+    for turn, (prompt, out) in enumerate(engine.calls):
+        start = len(engine.calls[turn - 1][0]) + len(engine.calls[turn - 1][1]["token_ids"]) if turn else 0
+        assert set(traj.turns[start:len(prompt) + len(out["token_ids"])]) == {turn}
+
+
+def test_branches_share_the_prefix_and_train_it_once(tiny_tokenizer):
+    Forks.forks = 0
+    engine, leaves = run_branches(tiny_tokenizer, ["3", "7", "5", "9"], branch_turns=(1,), branches=3)
+    assert Forks.forks == 2 and len(engine.calls) == 4    # the prefix was sampled once, then 3 continuations
+    shared = len(engine.calls[1][0])                      # prompt, reply "3", observation
+    assert all(c[0] == engine.calls[1][0] for c in engine.calls[1:])
+    assert [t.rollout_id for t in leaves] == [0, 1, 2]
+    assert [(t.parent, t.branch_turn) for t in leaves] == [(None, None), (0, 1), (0, 1)]
+    assert all(t.tokens[:shared] == leaves[0].tokens[:shared] for t in leaves)
+    assert len({tuple(t.tokens[shared:]) for t in leaves}) == 3          # distinct continuations
+    # The prefix's sampled tokens are trained in the first leaf only; every continuation in its own.
+    assert sum(leaves[0].mask[:shared]) > 0 and all(sum(t.mask[:shared]) == 0 for t in leaves[1:])
+    assert all(sum(t.mask[shared:]) > 0 for t in leaves)
+    assert all(lp == 0 and v == -1 for t in leaves[1:] for lp, v in zip(t.logprobs[:shared], t.versions[:shared]))
+    assert sorted(t.turn_rewards for t in leaves) == [[-0.1, -0.1]] * 2 + [[-0.1, 1.0]]
+    assert sorted(t.reward for t in leaves) == pytest.approx([-0.2, -0.2, 0.9])
+
+
+def test_a_failed_branch_is_left_out_and_another_trains_the_prefix(tiny_tokenizer):
+    _, leaves = run_branches(tiny_tokenizer, ["3", "4", "7"], branch_turns=(1,), branches=2)
+    assert len(leaves) == 1 and leaves[0].info["branches_dropped"] == 1.0
+    assert leaves[0].parent is None
+    assert sum(leaves[0].mask) == 2 * 2   # "3" and "7", each with its end of turn
+    with pytest.raises(RuntimeError, match="this branch fails"):
+        run_branches(tiny_tokenizer, ["3", "4", "4"], branch_turns=(1,), branches=2)
+
+
+def test_branches_collate_to_per_turn_inputs_and_branch_values(tiny_tokenizer):
+    """Token-exact from run_env to the estimator: turns aligned to predicted tokens, the branches' shared
+    nodes, and branch_value crediting the continuation that won and the one that lost."""
+    import batches
+    import estimators
+    _, leaves = run_branches(tiny_tokenizer, ["3", "7", "5"], branch_turns=(1,), branches=2)
+    _, other = run_branches(tiny_tokenizer, ["7"])   # a rollout of the same prompt that did not branch
+    other.rollout_id = 2
+    rows = [dict(vars(t)) for t in leaves + [other]]
+    batch = batches.collate(rows, pad_id=0)
+    for i, t in enumerate(rows):
+        assert batch["turns"][i, :len(t["tokens"]) - 1].tolist() == t["turns"][1:]
+    assert batch["turn_rewards"].flatten().tolist() == pytest.approx(
+        [r for t in rows for r in t["turn_rewards"] + [0.0] * (2 - len(t["turn_rewards"]))])
+    nodes, states = batch["nodes"].tolist(), batch["states"].tolist()
+    assert nodes[0] == nodes[1] and nodes[2][0] == nodes[0][0] and nodes[2][1] == -1
+    assert states[0] == states[1] and states[2][1] == -1
+    adv, _ = estimators.ESTIMATORS["branch_value"](
+        batch["rewards"], batch["mask"], batch["groups"], rollout_ids=batch["rollout_ids"],
+        **{k: batch[k] for k in ("turns", "turn_rewards", "nodes")})
+    win = 0 if rows[0]["reward"] > rows[1]["reward"] else 1
+    last = [max(j for j, m in enumerate(batch["mask"][i].tolist()) if m) for i in range(3)]
+    assert adv[win, last[win]] > 0 > adv[1 - win, last[1 - win]]
+    assert adv[2, last[2]] > 0   # 1.0 against the group's mean
+
+
 class Echo(Env):
     """Shows the observation its row names (untrusted text: a tool's output, a web page)."""
     max_turns = 2
@@ -170,3 +255,11 @@ def test_observation_text_never_becomes_control_tokens():
     assert forged in tok.decode(traj.tokens)
     assert tok.decode([t for t, m in zip(traj.tokens, traj.mask) if m]) == \
         "Let me look.<|im_start|><|im_end|>Done.<|im_end|>"
+
+
+def test_nested_branches_train_every_sampled_token_exactly_once(tiny_tokenizer):
+    engine, leaves = run_branches(tiny_tokenizer, ["3", "5", "6", "7", "8", "9", "7"], branch_turns=(1, 2),
+                                  branches=2, max_turns=3)
+    assert len(engine.calls) == 7 and len(leaves) == 4             # 1 + 2 + 4 replies, 4 leaves
+    assert sum(sum(t.mask) for t in leaves) == sum(len(out["token_ids"]) for _, out in engine.calls)
+    assert [t.parent for t in leaves] == [None, 0, 0, 2] and [t.branch_turn for t in leaves] == [None, 2, 1, 2]

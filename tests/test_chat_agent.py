@@ -213,6 +213,9 @@ def test_prefix_rewrite_starts_a_segment_with_the_same_reward(server, loop, tiny
         "<|assistant|>1<|end|>"]
     assert [(s.reward, s.score) for s in segs] == [(0.5, 2.0)] * 3
     assert segs[0].info == {"x": 1.0, "segments": 3.0, "requests": 5.0}
+    # a request is a turn; the episode's reward sits on each segment's last turn
+    assert [s.turn_rewards for s in segs] == [[0.0, 0.5], [0.0, 0.5], [0.5]]   # the last: one sampled reply
+    assert all(len(s.turns) == len(s.tokens) and s.turns[-1] == len(s.turn_rewards) - 1 for s in segs)
 
 
 def test_template_that_rerenders_history_starts_a_segment(server, loop, tiny_model):

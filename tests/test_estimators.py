@@ -176,6 +176,74 @@ def test_on_policy_distill():
     close(ret, [[-1, 0, 2]])
 
 
+# ---------------------------------------------------------------- per-turn credit, by hand
+# Two rows of group 0 and one of group 1; turns of each token (-1: padding), one turn reward each.
+TURNS = ids([[0, 0, 1, 1, 2], [0, 0, 1, -1, -1], [0, 1, 1, 2, -1]])
+TMASK = t([[1, 0, 1, 0, 1], [1, 0, 1, 0, 0], [1, 0, 1, 1, 0]])
+TREW = t([[0, 1, 2], [1, 0, 0], [4, 0, 0]])
+TGRP = ids([0, 0, 1])
+
+
+def test_turn_reinforce_per_turn_returns_and_baseline():
+    adv, ret = compute_advantages("turn_reinforce", t([3, 1, 4]), TMASK, TGRP, turns=TURNS, turn_rewards=TREW,
+                                  turn_gamma=0.5)
+    # G: row 0 (0 + 0.5 * 1 + 0.25 * 2, 1 + 0.5 * 2, 2) = (1, 2, 2); row 1 (1, 0); row 2 (4, 0, 0).
+    close(ret, [[1, 0, 2, 0, 2], [1, 0, 0, 0, 0], [4, 0, 0, 0, 0]])
+    # Baselines by (group, turn): group 0 turn 0 mean 1, turn 1 mean 1, turn 2 only row 0; group 1 alone.
+    # Before whitening: row 0 tokens 0, 1, 0; row 1 tokens 0, -1; row 2 tokens 0, 0, 0 (mean -0.25 over 8).
+    raw = t([[0, 0, 1, 0, 0], [0, 0, -1, 0, 0], [0, 0, 0, 0, 0]])
+    close(adv, whiten(raw, TMASK).tolist())
+    assert adv[0, 2] > 0 > adv[1, 2]
+    # Without turns: each run of action tokens is a turn, and the row's reward sits on its last one.
+    adv, ret = compute_advantages("turn_reinforce", t([2, 6]), t([[1, 0, 1, 1], [1, 1, 0, 0]]), ids([0, 0]),
+                                  turn_gamma=0.5)
+    close(ret, [[1, 0, 2, 2], [6, 6, 0, 0]])
+
+
+def test_gigpo_episode_plus_step_groups():
+    # Group 0: three 2-turn rollouts; rows 0 and 1 reach the same state at turn 1 (state id 5), row 2 another.
+    turns, mask = ids([[0, 0, 1, 1]] * 3), t([[1, 0, 1, 0]] * 3)
+    rew, trew = t([1, 0, 1]), t([[0, 1], [0, 0], [0, 1]])
+    states = ids([[0, 5], [0, 5], [0, 9]])
+    adv, ret = compute_advantages("gigpo", rew, mask, ids([0, 0, 0]), turns=turns, turn_rewards=trew,
+                                  states=states, turn_gamma=0.5, step_weight=2.0)
+    s = math.sqrt(2 / 9) + 1e-6
+    ae = [1 / 3 / s, -2 / 3 / s, 1 / 3 / s]                    # (R - 2/3) / std
+    # Turn 0 (the prompt, all three): returns 0.5, 0, 0.5 -> (R_0 - 1/3) / (sqrt(2)/6).
+    s0 = math.sqrt(2) / 6 + 1e-6
+    a0 = [(1 / 6) / s0, -(1 / 3) / s0, (1 / 6) / s0]
+    # Turn 1: rows 0, 1 form a step group (returns 1, 0: +-1 / 0.5); row 2 is alone: 0.
+    a1 = [0.5 / (0.5 + 1e-6), -0.5 / (0.5 + 1e-6), 0.0]
+    close(adv, [[ae[i] + 2 * a0[i], 0, ae[i] + 2 * a1[i], 0] for i in range(3)], atol=1e-4)
+    close(ret, [[0.5, 0, 1, 0], [0, 0, 0, 0], [0.5, 0, 1, 0]])
+    # With step_weight 0 it is grpo.
+    adv, _ = compute_advantages("gigpo", rew, mask, ids([0, 0, 0]), turns=turns, turn_rewards=trew,
+                                states=states, step_weight=0.0)
+    close(adv, compute_advantages("grpo", rew, mask, ids([0, 0, 0]))[0].tolist())
+    # Segments of one rollout count once in the episode term, as in grpo.
+    seg = dict(rollout_ids=ids([0, 0, 1]), turns=turns, turn_rewards=trew, step_weight=0.0)
+    adv, _ = compute_advantages("gigpo", t([1, 1, 0]), mask, ids([0, 0, 0]), **seg)
+    close(adv, [[1, 0, 1, 0], [1, 0, 1, 0], [-1, 0, -1, 0]], atol=1e-4)
+
+
+def test_branch_value_spans_between_branch_points():
+    # Rollout A branched before turn 1 into rows 0 and 1 (they share nodes 0 and 1); rollout B is row 2.
+    turns, mask = ids([[0, 0, 1, 1]] * 3), t([[1, 0, 1, 0], [0, 0, 1, 0], [1, 0, 1, 0]])
+    rew, trew, nodes = t([1, 0, 1]), t([[0, 1], [0, 0], [0, 1]]), ids([[0, 1], [0, 1], [0, 2]])
+    adv, ret = compute_advantages("branch_value", rew, mask, ids([0, 0, 0]), turns=turns, turn_rewards=trew,
+                                  nodes=nodes, rollout_ids=ids([0, 1, 2]))
+    # V(prompt) = 2/3 over the three rows, V(node 1) = (1 + 0) / 2, V(node 2) = 1.
+    # Rows 0, 1 turn 0: r_0 + V(node 1) - V(prompt) = -1/6; turn 1: G_1 - V(node 1) = +-0.5.
+    # Row 2: one span from the prompt to the end: 1 - 2/3. All divided by the reward std sqrt(2/9).
+    s = math.sqrt(2 / 9) + 1e-6
+    close(adv, [[-1 / 6 / s, 0, 0.5 / s, 0], [0, 0, -0.5 / s, 0], [1 / 3 / s, 0, 1 / 3 / s, 0]], atol=1e-4)
+    close(ret, [[1, 0, 1, 0], [0, 0, 0, 0], [1, 0, 1, 0]])
+    # Unbranched rows are grpo.
+    adv, _ = compute_advantages("branch_value", rew, t([[1, 0, 1, 0]] * 3), ids([0, 0, 0]), turns=turns,
+                                turn_rewards=trew, nodes=ids([[0, 1], [0, 2], [0, 3]]))
+    close(adv, compute_advantages("grpo", rew, t([[1, 0, 1, 0]] * 3), ids([0, 0, 0]))[0].tolist())
+
+
 def test_whiten():
     out = whiten(t([[1, 2, 100], [3, 0, 0]]), t([[1, 1, 0], [1, 0, 0]]))
     s = math.sqrt(2 / 3)

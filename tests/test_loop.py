@@ -345,3 +345,25 @@ def test_resumed_rows_start_the_rows_in_flight_at_the_checkpoint_first():
     assert list(itertools.islice(rows, 4)) == [(2, 2), (5, 5), (6, 6), (7, 7)]
     assert next(loop.resumed_rows(range(10), {"rows_started": 3})) == (3, 3)   # a checkpoint from before
     assert next(loop.resumed_rows(range(10), {"rows_started": 0})) == (0, 0)   # a fresh run
+
+
+def test_branching_rollouts_through_the_real_loop(tiny_model, tmp_path):
+    """--branches 2 on the bench's two-turn Env (vLLM, Ray, the trainer): each rollout comes back as two
+    rows that share their first turn's tokens, trained in one; branch_value trains on them."""
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    main.main(["--model", tiny_model, "--agent", main.__file__.replace("main.py", "bench/turn_credit.py"),
+               "--estimator", "branch_value", "--branches", "2", "--steps", "2", *SMALL, "--output_dir", str(tmp_path / "run"), "--export_hf", "none",
+               "--no_plot", "--dump_rollouts", str(dump)])
+    lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["rollouts"] == 4 * 4 * 2 and m["info/turns"] == 2 for m in lines)   # each branch a rollout
+    for step in _dumped(dump):
+        by_id = {(t["group"], t["rollout_id"]): t for t in step}
+        children = [t for t in step if t["parent"] is not None]
+        assert len(children) == len(step) // 2 and all(t["branch_turn"] == 1 for t in children)
+        for t in children:
+            first = by_id[t["group"], t["parent"]]
+            shared = t["turns"].index(1)     # turn 1 starts with the observation both were shown
+            assert t["tokens"][:shared] == first["tokens"][:shared] and t["states"] == first["states"]
+            assert sum(t["mask"][:shared]) == 0 < sum(first["mask"][:shared])
+            assert len(t["turn_rewards"]) == 2 and t["reward"] == sum(t["turn_rewards"])

@@ -92,6 +92,11 @@ def test_algorithm_defaults_are_filled_soundly(tiny_model, argv, key, value):
     (["--replay_rollouts", "/nonexistent"], "no step_*.jsonl files"),
     (["--resume", "--output_dir", "/tmp/molt-never-ran"], "--resume: no complete checkpoint"),
     (["--keep_checkpoints", "0"], "--keep_checkpoints must be >= 1"),
+    (["--branches", "2", "--agent", main.__file__.replace("main.py", "examples/agents/chat_openai.py")],
+     "RunningMax is not an Env"),
+    (["--branch_turns", "2"], "--branch_turns [2]: needs --branches > 1"),
+    (["--branches", "2", "--branch_turns", "0"], "turns >= 1"),
+    (["--branches", "0"], "--branches must be >= 1"),
 ])
 def test_unsound_loop_combinations_are_refused(capsys, tiny_model, argv, message):
     assert message in _err(capsys, ["--model", tiny_model, *argv])
