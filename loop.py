@@ -60,7 +60,7 @@ class RolloutPool:
         self.filtered = 0         # groups dropped by --filter_groups
         self.logged: set[str] = set()
         self.last_failure = ""    # the latest drop's detail (traceback), for the error that stops a run
-        self.failed_in_a_row = 0  # groups, in finish order, whose every rollout failed
+        self.failed_in_a_row = 0  # groups, in finish order, with nothing to train (all failed or filtered)
         self.rollout_ids = itertools.count()
 
     def fill(self, allowed: int):
@@ -159,21 +159,26 @@ async def collect(pool: RolloutPool, cfg: dict, version: int, first_step: bool, 
                 pool.logged.add("stale")
                 log.warning("dropped a group that finished with tokens more than --async_depth %d policy versions "
                             "older than the policy it would train (counted in dropped/stale)", K)
-        elif not rewards:
-            empty += 1
+        elif not rewards or (cfg["filter_groups"] and len(rewards) > 1 and max(rewards) == min(rewards)):
+            # nothing to train in this group (every rollout failed, or no signal): replace it, but
+            # only --max_failed_groups times in a row (a task the policy always fails would loop forever)
             pool.refill += 1
             pool.failed_in_a_row += 1
+            pool.filtered += bool(rewards)
+            empty += not rewards
             if empty >= P and first_step and not groups:
                 raise RuntimeError(f"every rollout of the first {empty} groups failed "
                                    f"(dropped rollouts: {dict(pool.drops)}); the last failure: {pool.last_failure}")
+            why = (f"the last group's {len(rewards)} rewards were all {rewards[0]:g} (--filter_groups)" if rewards
+                   else f"the last failure: {pool.last_failure}")
             if pool.failed_in_a_row >= cfg["max_failed_groups"]:
-                raise RuntimeError(f"every rollout of the last {pool.failed_in_a_row} groups failed (--max_failed_groups "
-                                   f"{cfg['max_failed_groups']}; dropped rollouts so far: {dict(pool.drops)}); "
-                                   f"the last failure: {pool.last_failure}")
-        elif cfg["filter_groups"] and len(rewards) > 1 and max(rewards) == min(rewards):
-            pool.failed_in_a_row = 0
-            pool.filtered += 1  # no signal in this group: replace it
-            pool.refill += 1
+                raise RuntimeError(f"the last {pool.failed_in_a_row} groups gave nothing to train: every rollout "
+                                   "failed or, with --filter_groups, all rewards were equal (--max_failed_groups "
+                                   f"{cfg['max_failed_groups']}; dropped rollouts so far: {dict(pool.drops)}, groups "
+                                   f"filtered: {pool.filtered}); {why}")
+            if pool.failed_in_a_row == cfg["max_failed_groups"] // 2 and rewards:
+                log.warning("%d groups in a row had nothing to train; %s. The run stops at --max_failed_groups %d",
+                            pool.failed_in_a_row, why, cfg["max_failed_groups"])
         else:
             pool.failed_in_a_row = 0
             groups.append(group)

@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "the engine's logprobs are then of the truncated distribution, the trainer's of the full one)")
     g.add_argument("--agent_timeout", type=float, default=300.0, help="seconds before a rollout is dropped")
     g.add_argument("--max_failed_groups", type=int, default=100, help="stop the run when this many prompt groups "
-                   "in a row had every rollout fail (with the counts and the last traceback)")
+                   "in a row had every rollout fail or (--filter_groups) all rewards equal (with the counts and the "
+                   "last traceback)")
     g.add_argument("--gpu_memory_utilization", type=float, default=0.5, help="vLLM memory share on GPU")
 
     g = p.add_argument_group("loop")
@@ -120,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--partial_rollout", action="store_true", help="at a weight update keep in-flight requests "
                    "(paused, then resumed under the new weights) instead of letting them finish first")
     g.add_argument("--filter_groups", action="store_true", help="drop groups whose rewards are all equal "
-                   "(no signal) and refill the batch from the pool")
+                   "(no signal) and refill the batch from the pool, up to --max_failed_groups in a row")
     g.add_argument("--eval_every", type=int, default=0, help="evaluate every N steps (0 = never)")
     g.add_argument("--eval_only", action="store_true", help="score the model (or --resume checkpoint) and exit")
     g.add_argument("--eval_dataset", default=None, help="held-out prompts, any --dataset file format (default: --eval_prompts "
@@ -281,6 +282,8 @@ def validate(cfg: dict) -> dict:
     for k, choices in (("estimator", estimators.ESTIMATORS), ("loss", losses.POLICY_LOSSES),
                        ("is_level", losses.IS_LEVELS), ("is_mode", losses.IS_MODES)):
         need(cfg[k] in choices, f"--{k} {cfg[k]!r} is unknown; choose from {', '.join(choices)}")
+    need(0 <= cfg["is_band"][0] <= cfg["is_band"][1] and cfg["is_band"][1] > 0,
+         f"--is_band {cfg['is_band'][0]:g} {cfg['is_band'][1]:g}: need 0 <= LOW <= HIGH and HIGH > 0")
     need(cfg["is_level"] in ("off", "token") or cfg["is_mode"] in ("mask", "reject"),
          f"--is_level {cfg['is_level']} gates whole sequences and needs --is_mode mask or reject")
     for k in ("steps", "prompts_per_step", "samples_per_prompt", "max_new_tokens", "max_len", "micro_batch_size",

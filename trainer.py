@@ -81,10 +81,11 @@ def load_model(path: str) -> torch.nn.Module:
 
 
 def dropout_fields(config) -> dict[str, float]:
-    """The config's non-zero dropout probabilities (its text/vision sub-configs too), by name."""
+    """The config's non-zero dropout probabilities and MoE router jitter (its text/vision sub-configs
+    too), by name: both are noise in train() only."""
     configs = [config, *(getattr(config, k) for k in ("text_config", "vision_config") if hasattr(config, k))]
     return {k: v for c in configs for k, v in vars(c).items()
-            if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0}
+            if ("dropout" in k or "pdrop" in k or "jitter" in k) and isinstance(v, float) and v > 0}
 
 
 def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
@@ -99,8 +100,8 @@ def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
         if isinstance(m, (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
                           torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)):
             m.p = 0.0
-        for k, v in vars(m).items():  # e.g. attention modules' `attention_dropout`, read in forward
-            if "dropout" in k and isinstance(v, float):
+        for k, v in vars(m).items():  # e.g. attention modules' `attention_dropout`, Mixtral's `jitter_noise`
+            if ("dropout" in k or "jitter" in k) and isinstance(v, float):
                 setattr(m, k, 0.0)
     return model
 
@@ -288,8 +289,7 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         if cfg["reward_clip"] is not None:
             rewards = rewards.clamp(-cfg["reward_clip"], cfg["reward_clip"])
         B = mask.shape[0]
-        if B < cfg["mini_batches"]:
-            raise ValueError(f"{B} trajectories cannot make --mini_batches {cfg['mini_batches']} optimizer steps")
+        n_mini = min(cfg["mini_batches"], B)  # after drops a batch can be smaller: fewer steps (metric mini_batches)
         if cfg.get("routing_replay") and "routing" not in batch:
             raise ValueError("--routing_replay: these trajectories carry no 'routing' (expert selections at sampling)")
         scored = self._score(batch)
@@ -316,8 +316,8 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         shuffle = torch.Generator().manual_seed(cfg["seed"] * 100_003 + self.version)
         totals, norms, updates = defaultdict(float), defaultdict(float), 0
         for _ in range(cfg["ppo_epochs"]):
-            order = torch.randperm(B, generator=shuffle) if cfg["mini_batches"] > 1 else torch.arange(B)
-            for rows in order.tensor_split(cfg["mini_batches"]):  # exactly --mini_batches parts (chunk may give fewer)
+            order = torch.randperm(B, generator=shuffle) if n_mini > 1 else torch.arange(B)
+            for rows in order.tensor_split(n_mini):  # exactly n_mini parts (chunk may give fewer)
                 step_tokens, step_rows = mask[rows].sum().clamp(min=1), len(rows)
                 for mb in batches.plan(self.cfg, self.dims, rows, batch["lengths"]):
                     x = self._inputs(batch, mb)
@@ -337,7 +337,8 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         totals = dict(zip(keys, self._reduce(torch.tensor([totals[k] for k in keys], dtype=torch.float64)).tolist()))
 
         metrics = {k: v / updates for k, v in {**totals, **norms}.items()}
-        metrics.update(optimizer_steps=updates, train_s=time.perf_counter() - t0, **{k: float(v) for k, v in is_metrics.items()},
+        metrics.update(optimizer_steps=updates, mini_batches=n_mini, train_s=time.perf_counter() - t0,
+                       **{k: float(v) for k, v in is_metrics.items()},
                        **step_metrics(batch, scored, advantages, self.version, self.ref is not None, self.critic is not None))
         return metrics
 

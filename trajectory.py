@@ -17,6 +17,7 @@ re-renders earlier turns (an Env cannot continue; a ChatAgent starts a new segme
 """
 
 import functools
+import re
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -109,12 +110,39 @@ def with_images(messages: list[dict], images: list) -> list[dict]:
 
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool,
             tools: list[dict] | None = None) -> str:
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                         tokenize=False, tools=tools)
+    """The template's text, special-token strings of messages and tools as placeholders (`as_text`)."""
+    return tokenizer.apply_chat_template(as_text(tokenizer, messages), add_generation_prompt=add_generation_prompt,
+                                         tokenize=False, tools=as_text(tokenizer, tools))
+
+
+@functools.lru_cache(maxsize=16)
+def _specials(tokenizer) -> tuple[Any, dict[str, str], dict[str, list[int]]]:
+    """(a pattern of the special-token strings, string -> placeholder, placeholder -> the string's
+    ids as plain text). Placeholders: Unicode private-use characters, one per special token."""
+    names = sorted({t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special},
+                   key=len, reverse=True)
+    holders = {name: chr(0xF0000 + i) for i, name in enumerate(names)}
+    plain = {holders[n]: tokenizer(n, add_special_tokens=False, split_special_tokens=True)["input_ids"] for n in names}
+    return re.compile("|".join(map(re.escape, names)) or "(?!)"), holders, plain
+
+
+def as_text(tokenizer, value: Any) -> Any:
+    """`value` (messages, tools, content: any nesting of lists and dicts) with each special-token
+    string in it replaced by its placeholder: untrusted text never becomes a control token."""
+    if isinstance(value, str):
+        pattern, holders, _ = _specials(tokenizer)
+        return pattern.sub(lambda m: holders[m.group()], value)
+    if isinstance(value, dict):
+        return {k: as_text(tokenizer, v) for k, v in value.items()}
+    return [as_text(tokenizer, v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
 def encode(tokenizer, text: str) -> list[int]:
-    return list(_encode_text(tokenizer, text))
+    """Rendered text -> ids: the template's special tokens as such, placeholders as plain text."""
+    plain, ids = _specials(tokenizer)[2], []
+    for i, piece in enumerate(re.split(f"([{''.join(plain)}])", text) if plain else [text]):
+        ids += plain[piece] if i % 2 else _encode_text(tokenizer, piece)
+    return ids
 
 
 @functools.lru_cache(maxsize=4096)  # a group's rollouts all start from the same prompt text
@@ -152,7 +180,7 @@ def delta_ids(tokenizer, messages: list[dict], reply_ids: list[int], new: list[d
     render the longer conversation by appending."""
     before = render(tokenizer, messages[:-1], True, tools)
     closed = render(tokenizer, messages, False, tools)
-    reply = messages[-1]["content"]
+    reply = as_text(tokenizer, messages[-1]["content"])
     if not closed.startswith(before + reply):
         raise PrefixRewrite("the chat template renders the reply differently from how it was "
                             "sampled; an Env needs a template that only appends (a ChatAgent "

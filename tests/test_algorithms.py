@@ -176,6 +176,25 @@ def test_a_checkpoint_with_dropout_trains_with_dropout_off(tiny_model, tmp_path)
     assert json.loads((Path(t.export(str(tmp_path / "export"))) / "config.json").read_text())["attention_dropout"] == 0.5
 
 
+def test_moe_router_jitter_is_off_like_dropout():
+    """Mixtral's router_jitter_noise scales the router's input by random noise in train() only,
+    as dropout does: the trainer turns it off, so a train() forward is the eval() one."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+    from trainer import dropout_fields, without_dropout
+    config = MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+                           num_experts_per_tok=2, router_jitter_noise=0.5)
+    assert dropout_fields(config) == {"router_jitter_noise": 0.5}
+    torch.manual_seed(0)
+    model = without_dropout(MixtralForCausalLM(config))
+    ids = torch.arange(12)[None]
+    with torch.no_grad():
+        scored = model.eval()(ids).logits
+        trained = [model.train()(ids).logits for _ in range(2)]
+    assert all(torch.equal(scored, t) for t in trained)
+
+
 def _two_epochs(model, loss, eps, epochs):
     t = _sgd_trainer(model, loss=loss, ppo_epochs=epochs, **({"eps_clip": eps} if eps else {}))  # else its own
     t.train_step(_signal_trajectories(t))
@@ -232,9 +251,14 @@ def test_kl_loss_moves_the_policy_toward_the_reference(tiny_model, tmp_path_fact
 
 def test_mini_batches_are_exactly_the_asked_number(tiny_model):
     """9 rollouts (some were dropped) and --mini_batches 4: four optimizer steps, not
-    torch.chunk's three; fewer rollouts than mini-batches is an error, not empty steps."""
-    t = Trainer(trainer_cfg(tiny_model, mini_batches=4))
+    torch.chunk's three; fewer rollouts than mini-batches (3 left after drops) train in one
+    mini-batch each, said in the metrics, not as empty steps nor an error that stops the run."""
+    t = Trainer(trainer_cfg(tiny_model, mini_batches=4, ppo_epochs=2))
     trajs = _trajectories(n_groups=3, group_size=3)
-    assert t.train_step(trajs)["optimizer_steps"] == 4
-    with pytest.raises(ValueError, match="3 trajectories cannot make --mini_batches 4"):
-        t.train_step(trajs[:3])
+    m = t.train_step(trajs)
+    assert (m["optimizer_steps"], m["mini_batches"]) == (8, 4)
+    before = _flat(t.full_state_dict())
+    m = t.train_step(trajs[:3])
+    assert (m["optimizer_steps"], m["mini_batches"]) == (6, 3)
+    assert math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0
+    assert (_flat(t.full_state_dict()) - before).norm() > 0

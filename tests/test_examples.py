@@ -169,7 +169,7 @@ def test_sandbox_holds_against_hostile_snippets(tmp_path):
     assert out["parent"] == "PermissionError\nstill here\n"
     assert out["victim"] == "ProcessLookupError\n"   # no process outside the namespace is even visible
     uid, pid = out["whoami"].split()
-    assert pid == "2" and uid == ("65534" if os.geteuid() == 0 else str(os.geteuid()))
+    assert pid == "2" and (int(uid) >= module.UIDS if os.geteuid() == 0 else uid == str(os.geteuid()))
 
 
 def test_sandbox_refuses_to_run_unconfined(tmp_path, monkeypatch):
@@ -186,6 +186,170 @@ def test_sandbox_refuses_to_run_unconfined(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "defpath", str(tmp_path / "empty"))
     with pytest.raises(module.SandboxError, match="needs util-linux `unshare`"):
         asyncio.run(module.run_python("print('UNCONFINED')"))
+
+
+def test_sandbox_call_returns_whatever_the_snippet_writes():
+    """An endless stream of output (the pipe full when the time limit kills it) still returns
+    at the limit, with a bounded prefix; code the command line cannot carry is a SandboxError."""
+    _, module = load("python_tool.py")
+
+    async def flood():   # the outer bound only keeps a broken build from hanging the suite
+        return await asyncio.wait_for(module.run_python("import os\nwhile True:\n    os.write(1, b'A' * 2**20)",
+                                                        timeout=1.0), 60)
+    out = asyncio.run(flood())
+    assert out.startswith("AAAA") and out.endswith("[killed: exceeded the 1 s time limit]")
+    assert len(out) < 2 * module.MAX_OUTPUT
+    for code in ["print(1)\0", "#" * module.MAX_CODE, "print(1)\n#" + "\u00e9" * (module.MAX_CODE // 2)]:
+        with pytest.raises(module.SandboxError, match="NUL byte or 131072 bytes or more"):
+            asyncio.run(module.run_python(code))
+    assert asyncio.run(module.run_python("#" * (module.MAX_CODE - 200) + "\nprint('fits')")) == "fits\n"
+
+
+def _parent_cmdline(p) -> list[str]:
+    import psutil
+    try:
+        return p.parent().cmdline()
+    except (psutil.Error, AttributeError):   # gone meanwhile
+        return []
+
+
+def test_sandbox_carries_the_run_tag_and_ends_without_its_driver():
+    """The driver is killed (-9) while a snippet sleeps: the snippet carries the run's tag (the
+    reaper's handle on it) and ends at its own time limit, with nobody left to kill it."""
+    import os
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    import psutil
+
+    import faults
+    run_id = f"sandbox-test-{uuid.uuid4().hex}"
+    driver = subprocess.Popen([sys.executable, "-c", f"""
+import asyncio, importlib.util
+spec = importlib.util.spec_from_file_location("python_tool", {str(EXAMPLES / "python_tool.py")!r})
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+asyncio.run(module.run_python("import time\\ntime.sleep(90)  # {run_id}", timeout=4.0))
+"""], env={**os.environ, "PYTHONPATH": str(EXAMPLES.parents[1]), faults.TAG: run_id})
+    try:
+        snippet = None
+        for _ in range(600):   # until the snippet runs (set-up done, `python -I snippet.py` exec'd)
+            children = [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [])[1:] == ["-I", "snippet.py"]
+                        and run_id in " ".join(_parent_cmdline(p))]   # its launcher has the code in argv
+            if children:
+                snippet = children[0]
+                break
+            time.sleep(0.05)
+        assert snippet is not None, "the snippet never started"
+        driver.kill()
+        driver.wait()
+        assert snippet.is_running(), "the snippet ended with its driver: nothing left to test"
+        assert snippet.pid in faults.tagged_pids(run_id)
+        gone, alive = psutil.wait_procs([snippet], timeout=30)   # its limit is 4 s (+1 for CPU, +1 for the alarm)
+        assert alive == [], "the snippet outlived its time limit once its driver was gone"
+    finally:
+        driver.kill()
+        faults.reap(run_id, exclude=set(), grace_s=0.0, limit_s=5.0)
+
+
+MEMFDS = """import os
+for i in range(1, 21):   # 8 MB more in memory each, outside the process's own address space
+    os.write(os.memfd_create('x'), b'x' * (8 << 20))
+    print('HOLDS', 8 * i, flush=True)
+"""
+CHILDREN = """import os, select
+reads = []
+for _ in range(4):   # four processes of 60 MB each, each under the per-process limit
+    r, w = os.pipe()
+    if os.fork() == 0:
+        block = bytearray(60 << 20)
+        block[::4096] = b'1' * len(block[::4096])
+        os.write(w, b'1')
+        select.select([], [], [], 10)
+        os._exit(0)
+    reads.append(r)
+held = 0
+for r in reads:
+    if select.select([r], [], [], 2)[0] and os.read(r, 1):
+        held += 60
+        print('HOLDS', held, flush=True)
+"""
+FORKS = """import os, select
+n = 0
+for _ in range(200):
+    try:
+        if os.fork() == 0:
+            select.select([], [], [], 10)   # held until the time limit ends the sandbox
+            os._exit(0)
+        n += 1
+    except OSError:
+        break
+print('FORKED', n)
+"""
+
+
+@pytest.mark.parametrize("path", ["as the trainer's user", "non-root path", "no cgroup"])
+def test_sandbox_limits_memory_and_processes_per_sandbox(path, monkeypatch):
+    """Memory held in memfds (shared memory, outside any process's address space) and in
+    several processes counts against one limit per sandbox, and the sandbox has a process cap,
+    on the non-root path too (a cgroup where the machine allows it; else RLIMIT_NPROC, counted
+    per sandbox: its own uid)."""
+    import os
+    _, module = load("python_tool.py")
+    if path == "non-root path":   # (as root: a user namespace mapping root, the cgroup is the cap)
+        monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    groups = module.sandbox_cgroups(1)
+    asyncio.run(module.remove_cgroups(groups))
+    if path == "no cgroup" or not groups:
+        if path != "no cgroup" or os.geteuid() != 0:
+            pytest.skip("no cgroup on this machine (or not root: RLIMIT_NPROC is not per sandbox then)")
+        monkeypatch.setattr(module, "sandbox_cgroups", lambda memory_mb: [])
+
+    def most(out):
+        return max([int(line.split()[1]) for line in out.splitlines() if line.startswith("HOLDS")], default=0)
+
+    async def run_all():
+        return await asyncio.gather(module.run_python(MEMFDS, timeout=4, memory_mb=128),
+                                    module.run_python(CHILDREN, timeout=6, memory_mb=128),
+                                    module.run_python(FORKS, timeout=4), module.run_python(FORKS, timeout=4))
+    memfds, children, *forks = asyncio.run(run_all())
+    for out in forks:   # each sandbox its own cap (two at once: not one shared by both)
+        assert out.startswith(f"FORKED {module.NPROC - 1}\n"), out
+    if path != "no cgroup":
+        assert 0 < most(memfds) < 128, memfds
+        assert 0 < most(children) < 128, children
+
+
+KEYS = """import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+def search(ring, name):
+    found = libc.syscall({keyctl}, 10, ctypes.c_long(ring), b"user", name.encode(), 0)   # KEYCTL_SEARCH
+    return "found" if found > 0 else os.strerror(ctypes.get_errno())
+print("session:", search(-3, "{secret}"), "user:", search(-4, "{left}"))   # @s, @u
+added = libc.syscall({add_key}, b"user", b"{left}", b"x", 1, ctypes.c_long(-4))   # for a later snippet
+print("left a key" if added > 0 else os.strerror(ctypes.get_errno()))
+"""
+
+
+def test_sandbox_keyrings_are_its_own():
+    """A snippet finds no key of the driver's session keyring (an ssh or login session has
+    one), and what it leaves in its user keyring no later snippet finds."""
+    import ctypes
+    import os
+    import uuid
+    _, module = load("python_tool.py")
+    if os.uname().machine != "x86_64":
+        pytest.skip("the test's keyctl/add_key syscall numbers are x86_64's")
+    libc = ctypes.CDLL(None, use_errno=True)
+    secret, left = f"molt-secret-{uuid.uuid4().hex}", f"molt-left-{uuid.uuid4().hex}"
+    assert libc.syscall(250, 1, None) > 0   # this test process: a session keyring of its own, holding a secret
+    assert libc.syscall(248, b"user", secret.encode(), b"hunter2", 7, ctypes.c_long(-3)) > 0
+    code = KEYS.format(keyctl=250, add_key=248, secret=secret, left=left)
+    first, second = asyncio.run(module.run_python(code)), asyncio.run(module.run_python(code))
+    assert first == "session: Required key not available user: Required key not available\nleft a key\n"
+    assert second == first
 
 
 def test_python_tool_env_runs_code_then_answers():

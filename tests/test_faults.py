@@ -143,7 +143,8 @@ def test_agents_that_break_after_step_one_stop_the_run(tiny_model, tmp_path):
     err = run.stderr()
     assert rc == 1, err[-3000:]
     assert [m["step"] for m in metric_lines(out)] == [1], err[-3000:]
-    assert "every rollout of the last 5 groups failed (--max_failed_groups 5" in err, err[-3000:]
+    assert "the last 5 groups gave nothing to train: every rollout failed" in err, err[-3000:]
+    assert "(--max_failed_groups 5;" in err and "the last failure:" in err
     assert "'error':" in err and "'timeout':" in err            # the counts, by reason
     assert "ValueError: agent bug at call" in err                # the raising agent's traceback
     assert "the agent's code is blocking its thread at:" in err and "time.sleep(600)" in err

@@ -82,6 +82,21 @@ def test_every_rollout_failing_stops_with_a_clear_error(tiny_model, tmp_path):
                    "--output_dir", str(tmp_path / "run"), *SMALL])
 
 
+def test_filter_groups_stops_when_no_group_has_a_signal(tiny_model, tmp_path):
+    """A reward that is always equal gives --filter_groups nothing to keep: the run stops after
+    --max_failed_groups refills in a row, naming the cause, instead of refilling forever. (Rows
+    from 40 on raise, so that an unbounded refill ends too, with another error.)"""
+    agent = tmp_path / "constant.py"
+    agent.write_text("import itertools\nfrom agent import Env, Result\nclass Constant(Env):\n" + ROWS +
+                     "    async def step(self, state):\n"
+                     "        assert state.row['index'] < 40, 'refilled past the bound'\n"
+                     "        return Result(reward=1.0)\n")
+    with pytest.raises(RuntimeError, match=r"the last 6 groups gave nothing to train.*--max_failed_groups 6.*"
+                       r"groups filtered: 6\); the last group's 4 rewards were all 1 \(--filter_groups\)"):
+        main.main(["--model", tiny_model, "--agent", str(agent), "--steps", "2", "--filter_groups",
+                   "--max_failed_groups", "6", "--output_dir", str(tmp_path / "run"), *SMALL])
+
+
 def test_async_partial_rollout_checkpoint_resume_and_replay(tiny_model, tmp_path):
     """Async depth 1 with partial rollout, filtering and eval; a checkpoint per step; then
     a resumed run continues where the first stopped; then the dumped batches retrain
