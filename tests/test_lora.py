@@ -105,7 +105,8 @@ def test_broadcast_sync_with_partial_rollout_and_both_exports(lora_engine, loop,
     the version that sampled each. The peft-format export loads on the base and gives the same logits."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-    t = Trainer(trainer_cfg(tiny_model, sync_bucket_mb=0, **LORA))
+    t = Trainer(trainer_cfg(tiny_model, **LORA))
+    t.cfg["sync_bucket_mb"] = 0   # every tensor its own bucket
     host, port = t.weight_sync_address()
 
     async def join():
