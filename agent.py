@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator
 
 import vision
-from trajectory import (Generate, Trajectory, decode_reply, delta_ids, encode, prompt_messages, render, sample,
-                        with_images)
+from trajectory import (DropRollout, Generate, Trajectory, decode_reply, delta_ids, encode, prompt_messages, render,
+                        sample, with_images)
 
 if TYPE_CHECKING:
     from server import ChatServer
@@ -76,7 +76,7 @@ class State:
 class _Agent:
     @classmethod
     def prompts(cls, seed: int) -> Iterator[dict]:
-        """Built-in prompt source: an endless iterator of rows {"prompt", "label"}."""
+        """Built-in prompt source: rows {"prompt", "label"} (a finite one is an epoch, asked again with seed + 1)."""
         raise ValueError(f"{cls.__name__} has no built-in prompts: pass --dataset FILE.jsonl")
 
 
@@ -112,6 +112,9 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
     turns = max_turns or env.max_turns
     params = dict(sampling)
     observation, scores, info = None, [], {}
+    if len(traj.tokens) >= max_len:   # no room for a reply: not a row to train
+        raise DropRollout("prompt_too_long", f"the prompt is {len(traj.tokens)} tokens, no room for a reply "
+                          f"within --max_len {max_len}")
     for turn in range(turns):
         budget = max_len - len(traj.tokens)
         if budget <= 0:
@@ -152,17 +155,28 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
     return traj
 
 
+# What an Env's Result.sampling_params may set for its next turn, and the values each takes.
+OVERRIDES: dict[str, Callable[[Any], bool]] = {
+    "max_tokens": lambda v: type(v) is int and v > 0,
+    "stop_token_ids": lambda v: isinstance(v, list) and all(type(t) is int and t >= 0 for t in v),
+    "seed": lambda v: v is None or type(v) is int,
+    "ignore_eos": lambda v: isinstance(v, bool),
+    "stop": lambda v: isinstance(v, list) and all(isinstance(s, str) and s for s in v),
+}
+
+
 def _override(params: dict, new: dict | None) -> dict:
-    """An Env's sampling override for its next turn. The trainer scores every token with the
-    run's --temperature and the full softmax, so keys that change the sampling distribution
-    are refused; max_tokens, stop_token_ids, seed, ignore_eos are free."""
-    changed = sorted(k for k in ("temperature", "top_p", "top_k") if k in (new or {})
-                     and new[k] != params.get(k, {"top_p": 1.0, "top_k": -1}.get(k)))
-    if changed:
-        raise ValueError(f"Result.sampling_params may not change {changed}: the trainer scores tokens with "
-                         "the run's --temperature and the full distribution, so the IS weights and the "
-                         "policy gradient would be wrong; set --temperature / --top_p for the whole run")
-    return new or {}
+    """An Env's sampling override for its next turn, checked here: a bad one drops the rollout
+    (`dropped/sampling_params`) before the engine sees it. The trainer scores every token with the run's
+    --temperature and the full softmax, so temperature/top_p/top_k may only repeat the run's values."""
+    new, run = {} if new is None else new, {"top_p": 1.0, "top_k": -1, **params}
+    bad = {k: v for k, v in new.items() if not (OVERRIDES[k](v) if k in OVERRIDES else k in run and v == run[k])} \
+        if isinstance(new, dict) else new
+    if bad:
+        raise DropRollout("sampling_params", f"Result.sampling_params {bad!r} refused: a dict that may set "
+                          f"{', '.join(OVERRIDES)} (max_tokens a positive int, stop a list of strings), not the "
+                          "sampling distribution (set --temperature / --top_p for the whole run)")
+    return new
 
 
 async def _call_here(fn: Callable, *args) -> Any:
@@ -231,9 +245,10 @@ async def run_chat_agent(agent: ChatAgent, row: dict, generate: Generate, tokeni
     if not math.isfinite(reward):
         raise ValueError(f"agent returned a non-finite reward {result.reward!r}")
     if not segments:
-        raise ValueError(f"{type(agent).__name__} made no model request"
-                         + (" that fit in max_len" if session.truncated else "")
-                         + ": call the API at ctx.base_url (OpenAI) or ctx.anthropic_base_url (Anthropic)")
+        raise DropRollout("prompt_too_long", f"{type(agent).__name__}'s requests left no room for a reply within "
+                          f"--max_len {max_len}") if session.truncated else ValueError(
+            f"{type(agent).__name__} made no model request: call the API at ctx.base_url (OpenAI) "
+            "or ctx.anthropic_base_url (Anthropic)")
     info = {k: float(v) for k, v in result.info.items()}
     info.update(segments=float(len(segments)), requests=float(session.requests))
     if session.truncated:
@@ -256,7 +271,13 @@ async def run_agent(cfg: dict, agent_cls: type, row: dict, generate, tokenizer, 
         run = run_env(agent_cls(), row, generate, tokenizer, sampling=sampling, max_len=cfg["max_len"],
                       max_turns=cfg["max_turns"], image_tokens=images, max_images=cfg["max_images_per_prompt"],
                       call=call)
-    result = await asyncio.wait_for(run, timeout=cfg["agent_timeout"])
+    try:
+        async with asyncio.timeout(cfg["agent_timeout"]) as deadline:
+            result = await run
+    except TimeoutError:
+        if deadline.expired():   # ours; a TimeoutError the agent's own code raised is its error
+            raise DropRollout("timeout", f"rollout exceeded --agent_timeout {cfg['agent_timeout']}s") from None
+        raise
     return result if isinstance(result, list) else [result]
 
 

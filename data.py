@@ -24,6 +24,7 @@ import contextlib
 import csv
 import hashlib
 import importlib.util
+import itertools
 import json
 import random
 import re
@@ -232,10 +233,15 @@ def score_reasoning_gym(row: dict, answer: str | None) -> float:
 
 def prompt_source(cfg: dict, agent_cls: type) -> Iterator[dict]:
     """Endless rows for the loop: reasoning-gym, a dataset reshuffled every epoch (seeded),
-    or the agent's own prompts."""
+    or the agent's own prompts (a finite prompts() is an epoch: it is asked again with the next seed)."""
     spec, seed = cfg.get("dataset"), cfg["seed"]
     if not spec:
-        yield from agent_cls.prompts(seed)
+        for epoch in itertools.count():
+            n = 0
+            for n, row in enumerate(agent_cls.prompts(seed + epoch), 1):
+                yield row
+            if not n:
+                raise ValueError(f"{agent_cls.__name__}.prompts(seed={seed + epoch}) yielded no rows")
     elif spec.startswith(RG_PREFIX):
         yield from reasoning_gym_rows(spec, seed)
     else:

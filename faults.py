@@ -13,10 +13,11 @@ Stopping (launch.run uses all of this):
     prints one line and exits with 128 + the signal number.
 
 Never hang (the loop's agents):
-  - agent code (Env.reset/step, ChatAgent.run) runs on `AgentThreads`, all on one agent event loop
-    (a library's module-level async client, e.g. LiteLLM's, binds to its first loop). A step that
-    blocks it (time.sleep, blocking HTTP) stalls its rollouts, new ones go to another thread's loop,
-    the driver's loop keeps serving the engine, and --agent_timeout still fires (naming where).
+  - agent code (Env.reset/step, ChatAgent.run) runs on `AgentThreads`: `async def` code all on one agent
+    event loop (a library's module-level async client, e.g. LiteLLM's, binds to its first loop), plain
+    `def` code on a thread per call, concurrently (blocking work: time.sleep, blocking HTTP). An `async def`
+    that blocks its loop stalls its rollouts, new ones go to another thread's loop, the driver's loop
+    keeps serving the engine, and --agent_timeout still fires (naming where).
   - `Watchdog` (a thread) checks that the driver's loop and the agent loops keep turning; one
     that has not run for BLOCKED_S seconds is reported once with its thread's stack.
 """
@@ -24,6 +25,7 @@ Never hang (the loop's agents):
 import asyncio
 import collections
 import contextlib
+import inspect
 import logging
 import os
 import secrets
@@ -238,8 +240,8 @@ class Mailbox:
 
     def post(self, fn: Callable, *args):
         self.items.append((fn, args))
-        if not self.armed:  # appended before this check, so a drain that already began sees it
-            self.armed = True
+        if not self.armed and not self.loop.is_closed():  # closed: a stopped run, nobody is left to tell
+            self.armed = True   # appended before this check, so a drain that already began sees it
             self.loop.call_soon_threadsafe(self._drain)
 
     def _drain(self):
@@ -287,8 +289,8 @@ class AgentThread:
         return time.monotonic() - self.tick
 
     async def call(self, fn: Callable, *args) -> Any:
-        """`await fn(*args)` (or `fn(*args)`, if it is a plain function) on this thread;
-        cancelling the caller cancels it here."""
+        """`await fn(*args)` on this thread's loop, or, for a plain function, `fn(*args)` on a thread of
+        its own (blocking code runs concurrently); cancelling the caller cancels it here."""
         here = asyncio.get_running_loop()
         future = here.create_future()
         self.inbox.post(self._start, fn, args, future, mailbox(here))
@@ -303,7 +305,7 @@ class AgentThread:
             # The outcome is posted as the call ends, not from a done callback: one scheduled after
             # the next call on this loop would wait behind it if that call blocks the loop.
             try:
-                out = fn(*args)
+                out = fn(*args) if inspect.iscoroutinefunction(fn) else await self._in_thread(fn, args)
                 out = await out if asyncio.iscoroutine(out) or isinstance(out, asyncio.Future) else out
             except asyncio.CancelledError:
                 back.post(_settle, future, "cancel")
@@ -318,6 +320,19 @@ class AgentThread:
         # cancelled before it started, `run` never ran: say so
         task.add_done_callback(lambda t: (self.tasks.pop(future, None),
                                           t.cancelled() and back.post(_settle, future, "cancel")))
+
+    def _in_thread(self, fn: Callable, args: tuple) -> asyncio.Future:
+        """`fn(*args)` on a daemon thread of its own: blocking calls run concurrently, and one that
+        hangs does not hold up the interpreter's exit (a pool's worker threads would)."""
+        future = self.loop.create_future()
+
+        def work():
+            try:
+                self.inbox.post(_settle, future, "set_result", fn(*args))
+            except BaseException as e:
+                self.inbox.post(_settle, future, "set_exception", e)
+        threading.Thread(target=work, name=self.thread.name + "-def", daemon=True).start()
+        return future
 
     def _cancel(self, future: asyncio.Future):
         task = self.tasks.pop(future, None)

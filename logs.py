@@ -1,20 +1,14 @@
-"""Where metrics go: metrics.jsonl always, plus TensorBoard / W&B / MLflow, and plots.
+"""Where metrics go: metrics.jsonl always, plus TensorBoard / W&B / MLflow (each also records the run's
+flags), and plots; what the loop reports (`batch_metrics`, the progress bar, the end-of-run `summarize`);
+a run's records (`earlier_records`: what a fresh run refuses to overwrite without --overwrite;
+`complete_checkpoints`: those --resume may use).
 
     sink = Sinks(cfg)          # opens metrics.jsonl in --output_dir and every --logger backend
     sink.log(metrics)          # one step: the same metric names everywhere ("step" is the x axis)
     sink.close()
-    plot(["runs/a", "runs/b"], "compare.png")    # reward, length, KL/mismatch, step time
+    python plot.py runs/latest runs/other -o compare.png    # reward, length, KL/mismatch, step time
 
-and what the loop reports: `batch_metrics` (reward, lengths, info of a step's rollouts), the progress bar, the
-end-of-run `summarize`; and a run's records as a whole (`earlier_records`: what a fresh run refuses to overwrite
-without --overwrite; `complete_checkpoints`: the checkpoints that --resume may use).
-
-The run's flags (config.json in the run folder, written by launch.run) are also recorded in
-each backend: TensorBoard hparams + a "config" text, W&B config, MLflow params. W&B runs
-offline by default (--wandb_mode): `wandb sync RUN_DIR/wandb/offline-run-*` uploads later.
-MLflow writes to a local store (`mlflow ui --backend-store-uri RUN_DIR/mlruns`) unless --mlflow_uri.
-
-    python plot.py runs/latest runs/other -o compare.png
+W&B runs offline and MLflow writes a local store unless told otherwise (docs/recipes.md: `wandb sync`, `mlflow ui`).
 """
 
 import json
@@ -110,7 +104,7 @@ def plot(runs: list[str | Path], out: str | Path) -> str:
         if not path.is_file():
             raise ValueError(f"{run}: no metrics.jsonl")
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        label = Path(run).resolve().name if Path(run).is_dir() else Path(run).resolve().parent.name
+        label = path.resolve().parent.name   # the run folder's name
         for ax, (title, keys) in zip(axes.flat, PANELS):
             key = next((k for k in keys if any(k in r for r in rows)), None)
             if key is None:

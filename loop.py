@@ -60,6 +60,7 @@ class RolloutPool:
         self.filtered = 0         # groups dropped by --filter_groups
         self.logged: set[str] = set()
         self.last_failure = ""    # the latest drop's detail (traceback), for the error that stops a run
+        self.dropped: list[dict] = []  # with --dump_rollouts: rollouts dropped since the last dump, with why
         self.failed_in_a_row = 0  # groups, in finish order, with nothing to train (all failed or filtered)
         self.rollout_ids = itertools.count()
 
@@ -91,18 +92,15 @@ class RolloutPool:
         try:
             segments = await agents.run_agent(self.cfg, self.agent_cls, row, self.generate.session(), self.tokenizer,
                                        self.server, self.sampling(), thread.call if thread else None)
-        except asyncio.TimeoutError:
-            stuck = thread is not None and thread.blocked_for() > 1.0  # the agent's code blocks its thread
-            self._drop("timeout", f"rollout exceeded --agent_timeout {self.cfg['agent_timeout']}s"
-                       + (f"; the agent's code is blocking its thread at:\n{thread.stack()}" if stuck else ""))
-            return []
-        except trajectory.DropRollout as e:
-            self._drop(e.reason, str(e))
+        except trajectory.DropRollout as e:   # a timeout names the code that blocks the agent's thread, if any
+            stuck = e.reason == "timeout" and thread is not None and thread.blocked_for() > 1.0
+            self._drop(e.reason, str(e) + (f"; the agent's code is blocking its thread at:\n{thread.stack()}"
+                                           if stuck else ""), group, row)
             return []
         except Exception as e:  # the agent's bug loses only this rollout
             if self.generate.is_engine_error(e):
                 raise
-            self._drop("error", "".join(traceback.format_exception(e)))
+            self._drop("error", "".join(traceback.format_exception(e)), group, row)
             return []
         finally:
             if thread is not None:
@@ -112,13 +110,18 @@ class RolloutPool:
             seg.group, seg.rollout_id = group, rollout_id
         return segments
 
-    def _drop(self, reason: str, detail: str):
+    def _drop(self, reason: str, detail: str, group: int, row: dict):
         self.drops[reason] += 1
+        self.keep_dropped(reason, [{"group": group, "prompt": row.get("prompt"), "detail": detail[-2000:]}])
         self.last_failure = f"({reason}) {detail}"
         key = reason + detail.splitlines()[-1]
         if key not in self.logged:  # each distinct failure is logged once, then counted
             self.logged.add(key)
             log.warning("dropped a rollout (%s):\n%s", reason, detail)
+
+    def keep_dropped(self, reason: str, records: list[dict]):
+        if self.cfg["dump_rollouts"]:
+            self.dropped += [{**r, "dropped": reason} for r in records]
 
     def sampling(self) -> dict:
         return {"temperature": self.cfg["temperature"], "top_p": self.cfg["top_p"],
@@ -154,6 +157,7 @@ async def collect(pool: RolloutPool, cfg: dict, version: int, first_step: bool, 
             # Groups are taken in finish order, so a slow one can arrive any number of versions
             # late: the bound on staleness is enforced here, on the tokens it would train.
             pool.drops["stale"] += len({t.rollout_id for t in group["trajectories"]})  # per rollout
+            pool.keep_dropped("stale", [vars(t) for t in group["trajectories"]])
             pool.refill += 1
             if "stale" not in pool.logged:  # not a failure: said once, then counted
                 pool.logged.add("stale")
@@ -165,6 +169,8 @@ async def collect(pool: RolloutPool, cfg: dict, version: int, first_step: bool, 
             pool.refill += 1
             pool.failed_in_a_row += 1
             pool.filtered += bool(rewards)
+            if rewards:
+                pool.keep_dropped("filtered", [vars(t) for t in group["trajectories"]])
             empty += not rewards
             if empty >= P and first_step and not groups:
                 raise RuntimeError(f"every rollout of the first {empty} groups failed "
@@ -209,16 +215,13 @@ async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, to
             t_step = time.perf_counter()
             faults.set_phase(f"step {step + 1} (generating)")
             if replay is not None:  # retrain on dumped batches: no engine at all
-                trajs = [json.loads(line) for line in replay[step].read_text().splitlines()]
+                trajs = [t for line in replay[step].read_text().splitlines() if "dropped" not in (t := json.loads(line))]
                 groups = None
             else:
                 groups = await collect(pool, cfg, version - start["version"], first_step=not history, policy=version)
                 # Shallow: Ray copies them anyway, and asdict's deep copy was 15% of the driver's time.
                 trajs = [dict(vars(t)) for g in groups for t in g["trajectories"]]
             t_gen = time.perf_counter() - t_step
-            if cfg["dump_rollouts"]:
-                dump = Path(cfg["dump_rollouts"]) / f"step_{step:06d}.jsonl"
-                dump.write_text("".join(json.dumps(t) + "\n" for t in trajs))
 
             metrics = {"step": step + 1, **logs.batch_metrics(trajs)}
             if groups:
@@ -227,6 +230,12 @@ async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, to
             faults.set_phase(f"step {step + 1} (training)")
             metrics.update(await trainer.train_step(trajs))
             train_s = time.perf_counter() - t_train
+            per_token = metrics.pop("per_token", {})  # with --dump_rollouts: what the trainer made of each token
+            if cfg["dump_rollouts"]:  # the batch, each token's advantage and trainer logprob, then the dropped
+                rows = [{**t, **{k: v[i] for k, v in per_token.items()}} for i, t in enumerate(trajs)] + pool.dropped
+                dump = Path(cfg["dump_rollouts"]) / f"step_{step:06d}.jsonl"
+                dump.write_text("".join(json.dumps(t, default=str) + "\n" for t in rows))
+                pool.dropped = []
             version += 1
             faults.set_phase(f"step {step + 1} (weight sync)")
             if client is not None:

@@ -152,15 +152,13 @@ def policy_loss(kind: str, logprobs: Tensor, old_logprobs: Tensor, advantages: T
     m, A = mask.bool(), advantages.float()
     # where() before anything else so padding (even -inf logprobs) cannot leak NaN into gradients.
     log_ratio = torch.where(m, logprobs.float() - old_logprobs.float(), 0)  # [B, T]
-    tok_lr = log_ratio.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    tok_ratio = torch.exp(tok_lr)  # [B, T] detached per-token ratio
     lo, hi = (0.0 if eps_low is None else 1.0 - eps_low), 1.0 + eps_high
     loss, ratio, clipped = spec.fn(log_ratio, logprobs, A, m, lo, hi, **settings)
     return torch.where(m, loss, 0), {
         "clip_frac": _mean(clipped.float(), m),
         "ratio_mean": _mean(ratio, m),
-        # k3 estimate of KL(old || new) from samples of old: (r - 1) - log r, per token.
-        "approx_kl": _mean(tok_ratio - 1 - tok_lr, m),
+        # k3 estimate of KL(old || new) from samples of old, per token.
+        "approx_kl": _mean(kl(old_logprobs, logprobs.detach(), "k3"), m),
     }
 
 

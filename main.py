@@ -415,7 +415,7 @@ def validate(cfg: dict) -> dict:
             cfg[key] = data.resolve_model(cfg[key], cache_dir(), say=lambda m: print(m, file=sys.stderr))
     if cfg["model"] == "tiny":
         import trainer
-        cfg["model"] = trainer.build_tiny_model(str(cache_dir() / "tiny-qwen3-chars-v1"))
+        cfg["model"] = trainer.build_tiny_model(str(cache_dir() / trainer.TINY_CACHE))
     if cfg["model"] == "tiny-vlm":  # our own folder: its only code is the video-processor shim
         cfg["model"], cfg["trust_remote_code"] = vision.build_tiny_vlm(str(cache_dir() / "tiny-qwen2.5-vl-v1")), True
     for key in ("model", "ref_model", "critic_model"):

@@ -27,7 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from trajectory import Generate, PrefixRewrite, Trajectory, decode_reply, delta_ids, encode, render, sample
+from trajectory import (Generate, PrefixRewrite, Trajectory, decode_reply, delta_ids, encode, end_ids, render,
+                        sample)
 
 log = logging.getLogger("molt")
 MAX_BODY = 64 * 2**20   # long conversations with images exceed aiohttp's 1 MiB default
@@ -470,6 +471,7 @@ class ChatSession:
         self.requests = 0
         self.truncated = False
         self.error: BaseException | None = None   # a generate failure, re-raised by run_chat_agent
+        self.in_flight: set[asyncio.Task] | None = set()   # requests waiting for their sample (None: closed)
 
     def _uris(self, messages: list[dict]) -> list[str]:
         images = [p["image"] for m in messages if isinstance(m["content"], list)   # canonical image parts, in order
@@ -519,11 +521,15 @@ class ChatSession:
         images = (new_images if delta is prompt else self.segments[-1].images + new_images)
         sampling = {**self.sampling, "max_tokens": limit, **({"stop": req.stop} if req.stop else {}),
                     **({"top_logprobs": req.top_logprobs} if req.top_logprobs else {})}
+        _need(self.in_flight is not None, "this rollout has ended")
+        self.in_flight.add(task := asyncio.current_task())
         try:
             out = await sample(self.generate, prompt, images, sampling, self.image_tokens)
         except Exception as e:
             self.error = e
             raise
+        finally:
+            (self.in_flight or set()).discard(task)   # None once closed
         ids = list(out["token_ids"])
         if delta is prompt:
             self.segments.append(Trajectory(tokens=[], mask=[], logprobs=[], versions=[], reward=0.0))
@@ -542,7 +548,7 @@ class ChatSession:
         self.rendered = rendered + [{"role": "assistant", "content": sampled}]
         self.tools, self.reply_ids = req.tools, ids
         finish = "length" if cutoff else ("tool_calls" if calls else "stop")
-        shown = ids[:-1] if ids and ids[-1] == self.tokenizer.eos_token_id else ids   # a final end-of-turn aside
+        shown = ids[:-1] if ids and ids[-1] in end_ids(self.tokenizer) else ids   # a final end-of-turn aside
         logprobs = None if req.top_logprobs is None else \
             _token_logprobs(self.tokenizer, shown, out["logprobs"], out.get("top_logprobs"))
         # Streamed one piece per sampled token when the pieces make exactly the text; else whole (tool calls,
@@ -749,7 +755,8 @@ class ChatServer:
         app.router.add_route("*", "/{tail:.*}", self._not_found)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))   # a free port, loopback only
-        self._runner = web.AppRunner(app, access_log=None)
+        # A client that disconnects (a timeout, a cancelled call) cancels its request: its reply is never trained.
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         await web.SockSite(self._runner, sock).start()
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -770,8 +777,13 @@ class ChatServer:
         return session
 
     def close_session(self, sid: str) -> list[Trajectory]:
-        """Forget the session; its segments in order (later requests to it get 404)."""
-        return self.sessions.pop(sid).segments
+        """Forget the session; its segments in order (later requests to it get 404). Its requests in
+        flight are cancelled: nothing changes the rollout once it is handed back."""
+        session = self.sessions.pop(sid)
+        for task in session.in_flight:
+            task.cancel()
+        session.in_flight = None   # closed: it samples nothing more
+        return session.segments
 
     async def _reply(self, session: ChatSession, api: str, body: dict) -> dict | list[Event]:
         """The response (a JSON object, or SSE events when streamed) to one parsed body."""

@@ -37,8 +37,9 @@ import parallel
 import sync
 import vision
 
-TINY_SPECIALS = ["<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
+TINY_SPECIALS = ["<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|unk|>"]
 TINY_CHARS = list("0123456789?=+-*, ")
+TINY_CACHE = "tiny-qwen3-chars-v2"   # the folder under $MOLT_CACHE; v1's tokenizer encoded unknown characters as eos
 TINY_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
@@ -54,10 +55,10 @@ def build_tiny_model(path: str, seed: int = 0) -> str:
     if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
         return str(out)
     vocab = {t: i for i, t in enumerate(TINY_SPECIALS + TINY_CHARS)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|end|>"))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|unk|>"))   # never the eos: text is never control tokens
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one char, one token
     tok.decoder = decoders.Fuse()
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>", pad_token="<|end|>",
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>", pad_token="<|end|>", unk_token="<|unk|>",
                                      chat_template=TINY_TEMPLATE)
     hf_tok.add_special_tokens({"additional_special_tokens": TINY_SPECIALS[1:]})
     config = Qwen3Config(vocab_size=len(vocab), hidden_size=64, intermediate_size=256,
@@ -340,6 +341,9 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         metrics.update(optimizer_steps=updates, mini_batches=n_mini, train_s=time.perf_counter() - t0,
                        **{k: float(v) for k, v in is_metrics.items()},
                        **step_metrics(batch, scored, advantages, self.version, self.ref is not None, self.critic is not None))
+        if cfg.get("dump_rollouts"):  # what the rollout viewer shows per token, aligned to `tokens` (not predicted)
+            rows = lambda v: [[0.0] + [round(x, 5) for x in row[:n]] for row, n in zip(v.tolist(), batch["lengths"].tolist())]
+            metrics["per_token"] = {"advantages": rows(advantages * mask + 0.0), "trainer_logprobs": rows(old * mask + 0.0)}
         return metrics
 
     def _agg(self, x: torch.Tensor, m: torch.Tensor, i: torch.Tensor, batch: dict, step_tokens, step_rows):

@@ -17,8 +17,10 @@ re-renders earlier turns (an Env cannot continue; a ChatAgent starts a new segme
 """
 
 import functools
+import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 
@@ -159,9 +161,19 @@ def prompt_messages(prompt: Any) -> list[dict]:
     raise ValueError(f"a prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
 
 
+@functools.lru_cache(maxsize=16)
+def end_ids(tokenizer) -> frozenset[int]:
+    """The ids that end a turn, those vLLM stops on: the tokenizer's eos and every eos id of the model's
+    generation_config.json (else config.json, as vLLM reads them). Gemma-it ends turns with <end_of_turn>."""
+    files = [f for f in (Path(tokenizer.name_or_path) / n for n in ("generation_config.json", "config.json"))
+             if f.is_file()]
+    eos = json.loads(files[0].read_text()).get("eos_token_id") if files else None
+    return frozenset({tokenizer.eos_token_id, *([eos] if isinstance(eos, int) else eos or [])} - {None})
+
+
 def decode_reply(tokenizer, token_ids: list[int]) -> str:
     """The reply as the model wrote it, special tokens included, less a final end-of-turn."""
-    if token_ids and token_ids[-1] == tokenizer.eos_token_id:
+    if token_ids and token_ids[-1] in end_ids(tokenizer):
         token_ids = token_ids[:-1]
     return tokenizer.decode(token_ids, skip_special_tokens=False)
 
@@ -186,9 +198,9 @@ def delta_ids(tokenizer, messages: list[dict], reply_ids: list[int], new: list[d
                             "sampled; an Env needs a template that only appends (a ChatAgent "
                             "gets a new segment instead)")
     tail = closed[len(before) + len(reply):]            # e.g. "<|im_end|>\n"
-    eos = tokenizer.eos_token
-    if reply_ids and reply_ids[-1] == tokenizer.eos_token_id and eos and tail.startswith(eos):
-        tail = tail[len(eos):]                           # the model sampled it already
+    end = tokenizer.decode(reply_ids[-1:]) if reply_ids and reply_ids[-1] in end_ids(tokenizer) else ""
+    if end and tail.startswith(end):
+        tail = tail[len(end):]                           # the model sampled it already
     full = render(tokenizer, messages + new, True, tools)
     if not full.startswith(closed):
         raise PrefixRewrite("the chat template re-renders earlier turns when the conversation "

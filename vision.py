@@ -1,25 +1,17 @@
-"""Vision-language policies: a tiny offline Qwen2.5-VL, image inputs, and the one image-token convention.
+"""Vision-language policies: the one image-token convention, image inputs, and a tiny offline Qwen2.5-VL.
 
-The image-token convention (the only one; everything multimodal follows it):
-
-  engine  (vLLM)        prompt ids hold exactly ONE `<|image_pad|>` per image, between
-                        `<|vision_start|>` and `<|vision_end|>`, and the images go beside them
-                        in order: `TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": [PIL, ...]})`.
-                        vLLM expands each pad to the image's patch-group count; the request
-                        output's `prompt_token_ids` are the expanded ids.
-  trainer (transformers) sees the EXPANDED ids (one pad per 2x2 patch group, exactly what the
-                        HF processor produces and what vLLM returns), plus `pixel_values`,
-                        `image_grid_thw` and `mm_token_type_ids` (`mm_forward_kwargs`).
-
-A trajectory therefore stores expanded ids (token-exact with what the engine ran) and its
-images; `collapse_image_pads` turns them back into engine ids for the next turn. Giving vLLM
-already-expanded pads is silently wrong (it expands them again), so never skip the collapse.
+The convention (docs/vision.md): the engine gets ONE `<|image_pad|>` per image (between
+`<|vision_start|>` and `<|vision_end|>`) and the images beside the ids; vLLM expands each pad to the
+image's patch-group count. Trajectories and the trainer hold the EXPANDED ids (what vLLM returns and
+the HF processor produces), and the trainer gets pixel inputs from the same images (`mm_forward_kwargs`).
+`collapse_image_pads` turns stored ids back into engine ids for the next turn: vLLM would silently
+expand already-expanded pads again, so never skip it.
 
     python -c "import vision; vision.build_tiny_vlm('/tmp/tiny-vlm')"   # the tiny model
     python -m pytest -q tests/test_vision.py                            # vLLM vs transformers
 
-CPU machines without torchvision need two shims (see `VIDEO_STUB` and
-`examples/vlm_shims/sitecustomize.py`); both do nothing where torchvision works.
+CPU machines without torchvision need two shims (`VIDEO_STUB`, `examples/vlm_shims/sitecustomize.py`);
+both do nothing where torchvision works.
 """
 
 import base64
@@ -73,14 +65,12 @@ MIN_PIXELS, MAX_PIXELS = 56 * 56, 112 * 112
 # `trust_remote_code=True`): every Qwen-VL processor also loads a video processor, which needs
 # torchvision. Where torchvision imports it IS the real one; elsewhere it loads and refuses videos.
 VIDEO_STUB = '''"""CPU-machine shim: the real Qwen2-VL video processor where torchvision works, else a stub."""
-from transformers.video_processing_utils import BaseVideoProcessor
-
 try:
     import torchvision  # noqa: F401
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor as VideoProcessor
 except Exception:  # no (working) torchvision: images still work, videos do not
     import transformers
-    from transformers.video_processing_utils import VideoProcessorMixin
+    from transformers.video_processing_utils import BaseVideoProcessor, VideoProcessorMixin
 
     # ProcessorMixin checks the video processor's class by the name
     # `transformers.VideoProcessorMixin`, which transformers exports only with torchvision.
@@ -96,11 +86,9 @@ except Exception:  # no (working) torchvision: images still work, videos do not
 
 
 def build_tiny_vlm(path: str, seed: int = 0) -> str:
-    """Build (once) a ~0.6M-parameter random-init Qwen2.5-VL with an offline byte-level BPE
-    tokenizer and PIL image processor at `path`; the same `seed` gives the same bytes.
-
-    transformers (`AutoModelForImageTextToText`, `AutoProcessor(trust_remote_code=True)`,
-    `AutoTokenizer`) and vLLM (`trust_remote_code=True`) load it offline."""
+    """Build (once) a ~0.6M-parameter random-init Qwen2.5-VL with an offline byte-level BPE tokenizer and
+    PIL image processor at `path` (the same `seed` gives the same bytes). transformers and vLLM load it offline
+    (`AutoProcessor` and vLLM with `trust_remote_code=True`, for the video processor shim)."""
     from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     out = Path(path)
@@ -261,13 +249,10 @@ def image_inputs(processor, images: list[ImageSpec]) -> dict[str, Any]:
 def mm_forward_kwargs(input_ids: torch.Tensor, images: list[list[ImageSpec]], processor,
                       image_token_id: int) -> dict[str, torch.Tensor]:
     """Extra forward kwargs of a [B, T] batch of expanded ids whose row b shows images[b] (possibly none).
-    Qwen2.5-VL's forward consumes pixel_values and image_grid_thw as one flat sequence over the batch (row 0's
-    images, then row 1's, ...) and finds the images' places by the pads in input_ids; mm_token_type_ids (1 on image
-    pads, 0 elsewhere, padding included) is what makes it compute the 3D (M-RoPE) positions: without it text after
-    an image gets plain 1D positions, which vLLM does not use. Right padding needs no attention mask (causal).
-
-    A row's pads must all be in input_ids (no slicing through an image: CP chunks and
-    packing with 1D position_ids do not work with images)."""
+    Qwen2.5-VL's forward takes pixel_values and image_grid_thw flat over the batch (row 0's images, then row 1's,
+    ...) and places them by the pads in input_ids, so a row must hold all its pads (no CP chunks, no packing).
+    mm_token_type_ids (1 on image pads) makes it compute the 3D (M-RoPE) positions that vLLM uses; without it text
+    after an image gets 1D positions. Right padding needs no attention mask (causal)."""
     flat = [img for row in images for img in row]
     kwargs: dict[str, torch.Tensor] = {"mm_token_type_ids": (input_ids == image_token_id).int()}  # [B, T]
     if not flat:
@@ -278,6 +263,5 @@ def mm_forward_kwargs(input_ids: torch.Tensor, images: list[list[ImageSpec]], pr
         want, have = sum(next(it) for _ in row), int((input_ids[b] == image_token_id).sum())
         if want != have:
             raise ValueError(f"row {b}: {have} image pads in the ids, {want} for its {len(row)} image(s)")
-    kwargs["pixel_values"] = inputs["pixel_values"]                       # [sum patches, 1176]
-    kwargs["image_grid_thw"] = inputs["image_grid_thw"]                   # [sum images, 3]
-    return kwargs
+    return {**kwargs, "pixel_values": inputs["pixel_values"],             # [sum patches, 1176]
+            "image_grid_thw": inputs["image_grid_thw"]}                   # [sum images, 3]

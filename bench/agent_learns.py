@@ -4,9 +4,9 @@ Runs examples/recipes/smollm2_tool.sh as it is: `--eval_only` on the initial mod
 training run, `--eval_only` on the final model, and the no-tool ablation (the final model
 answering the same held-out problems without the tool, in one turn). All evaluations
 use the recipe's sampling. Leaves in runs/agent_learns/: the learning curve
-(learning_curve.png: train reward, tool-use rate, held-out success), two real rollouts
-(rollouts.txt: one of the first step, one of the last, decoded from the dumped token ids)
-and results.json. Ends with the line
+(learning_curve.png: train reward, tool-use rate, held-out success), every step's rollouts in
+the rollout viewer (viewer/index.html: conversations token by token, coloured by advantage,
+per-turn rewards and branches where the run records them) and results.json. Ends with the line
 
     held-out success: A% -> B% (no tool: C%), tool then answer: D% -> E%, N min
 
@@ -30,6 +30,7 @@ RECIPE = ROOT / "examples" / "recipes" / "smollm2_tool.sh"
 OUT = ROOT / "runs" / "agent_learns"
 sys.path.insert(0, str(ROOT))
 import main as molt  # noqa: E402  (the recipe writes its held-out files under molt.cache_dir())
+import viewer  # noqa: E402
 
 
 def recipe(*flags: str) -> dict:
@@ -40,27 +41,6 @@ def recipe(*flags: str) -> dict:
                           env={**os.environ, "PYTHON": sys.executable})   # the recipe runs this interpreter
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     return json.loads(lines[-1]) if lines else {}
-
-
-def conversation(tokenizer, traj: dict) -> str:
-    """A dumped trajectory as text: the prompt's last turn, then each sampled turn and observation."""
-    spans, start = [], 0
-    for i in range(1, len(traj["mask"]) + 1):
-        if i == len(traj["mask"]) or traj["mask"][i] != traj["mask"][start]:
-            spans.append((traj["mask"][start], tokenizer.decode(traj["tokens"][start:i])))
-            start = i
-    prompt = spans[0][1]
-    text = [prompt[prompt.rfind("<|im_start|>user"):]]
-    text += [("MODEL> " if sampled else "") + part for sampled, part in spans[1:]]
-    return "".join(text) + f"\n[reward {traj['reward']:g}]"
-
-
-def pick(dump: Path, want_success: bool) -> dict:
-    trajs = [json.loads(line) for line in dump.read_text().splitlines()]
-    for t in trajs:   # a tool-using episode, right or wrong as asked
-        if t["info"].get("tool") and (t["reward"] >= 1) == want_success:
-            return t
-    return trajs[0]
 
 
 def curve(metrics: list[dict], first: float, final: float, path: Path):
@@ -94,12 +74,7 @@ def main():
 
     metrics = [json.loads(line) for line in (OUT / "metrics.jsonl").read_text().splitlines()]
     curve(metrics, first["eval/reward_mean"], final["eval/reward_mean"], OUT / "learning_curve.png")
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(OUT / "final")
-    dumps = sorted((OUT / "dump").glob("step_*.jsonl"))
-    (OUT / "rollouts.txt").write_text(
-        "=== before training (step 1)\n" + conversation(tokenizer, pick(dumps[0], want_success=False))
-        + "\n\n=== after training (last step)\n" + conversation(tokenizer, pick(dumps[-1], want_success=True)) + "\n")
+    print("rollouts:", viewer.write(OUT))   # reads OUT/dump, decodes with OUT/final's tokenizer
     results = {"initial": first, "final": final, "no_tool": no_tool, "minutes": minutes}
     (OUT / "results.json").write_text(json.dumps(results, indent=1))
     pct = lambda x: f"{100 * x:.0f}%"

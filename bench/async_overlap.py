@@ -37,9 +37,8 @@ def mean(rows, key):
 def bench(name: str, steps: int, warmup: int, tmp: Path):
     sync = run(WORKLOADS[name], steps, tmp / f"{name}_sync")[warmup:]
     asyn = run([*WORKLOADS[name], "--async_depth", "1", "--partial_rollout"], steps, tmp / f"{name}_async")[warmup:]
-    gen = mean(sync, "wait_rollouts_s")
-    train = sum(m["step_s"] - m["wait_rollouts_s"] for m in sync) / len(sync)
-    sync_step, async_step = mean(sync, "step_s"), mean(asyn, "step_s")
+    gen, sync_step, async_step = mean(sync, "wait_rollouts_s"), mean(sync, "step_s"), mean(asyn, "step_s")
+    train = sync_step - gen   # train step + weight sync
     print(f"== {name}: {' '.join(WORKLOADS[name])}, {len(sync)} steps after {warmup}")
     print(f"sync step:  {sync_step:.3f} s  (generation {gen:.3f} s + training/sync {train:.3f} s, "
           f"{mean(sync, 'action_tokens'):.0f} action tokens)")

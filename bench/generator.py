@@ -103,7 +103,7 @@ def model_path(name: str) -> str | None:
     import main
     if name == "tiny":
         import trainer
-        return trainer.build_tiny_model(str(main.cache_dir() / "tiny-qwen3-chars-v1"))
+        return trainer.build_tiny_model(str(main.cache_dir() / trainer.TINY_CACHE))
     try:
         import data
         return data.resolve_model(name, main.cache_dir())

@@ -32,7 +32,7 @@ def build_model(path: Path, vocab: int) -> str:
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
     import main
     import trainer
-    tiny = trainer.build_tiny_model(str(main.cache_dir() / "tiny-qwen3-chars-v1"))
+    tiny = trainer.build_tiny_model(str(main.cache_dir() / trainer.TINY_CACHE))
     config = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
                          tie_word_embeddings=True, eos_token_id=0, pad_token_id=0, bos_token_id=None)

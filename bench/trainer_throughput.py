@@ -42,11 +42,13 @@ def cfg_for(model: str, **over) -> dict:
     return main.validate(vars(main.build_parser().parse_args(args)))
 
 
-def run_local(cfg: dict, trajs: list[dict], steps: int) -> float:
-    """Seconds per train_step (after one warm-up step) on one rank."""
+def seconds_per_step(cfg: dict, trajs: list[dict], steps: int, rank: int = 0, world: int = 1, port: int = 0) -> float:
+    """Seconds per train_step, after one warm-up step."""
     import trainer
-    t = trainer.Trainer(cfg)
+    t = trainer.Trainer(cfg, rank, world, "127.0.0.1", port)
     t.train_step(trajs)
+    if world > 1:
+        torch.distributed.barrier()
     t0 = time.perf_counter()
     for _ in range(steps):
         t.train_step(trajs)
@@ -55,15 +57,9 @@ def run_local(cfg: dict, trajs: list[dict], steps: int) -> float:
 
 def _rank(rank, world, port, cfg, trajs, steps, out):
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    import trainer
-    t = trainer.Trainer(cfg, rank, world, "127.0.0.1", port)
-    t.train_step(trajs)
-    torch.distributed.barrier()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        t.train_step(trajs)
+    s = seconds_per_step(cfg, trajs, steps, rank, world, port)
     if rank == 0:
-        Path(out).write_text(str((time.perf_counter() - t0) / steps))
+        Path(out).write_text(str(s))
 
 
 def run_ranks(cfg: dict, trajs: list[dict], steps: int, world: int) -> float:
@@ -85,12 +81,12 @@ def main():
     tokens = sum(len(t["tokens"]) for t in trajs)
     print(f"{a.rows} rows, {tokens} tokens, lengths {min(len(t['tokens']) for t in trajs)}-"
           f"{max(len(t['tokens']) for t in trajs)}; {torch.get_num_threads()} threads")
+    runs = {"padded, 1 rank": {}, "packed, 1 rank": {"packing": True},
+            "padded, 2 ranks": {"train_workers": 2}, "packed, 2 ranks": {"train_workers": 2, "packing": True}}
     results = {}
-    base_cfg = cfg_for(a.model)
-    results["padded, 1 rank"] = run_local(base_cfg, trajs, a.steps)
-    results["packed, 1 rank"] = run_local(cfg_for(a.model, packing=True), trajs, a.steps)
-    results["padded, 2 ranks"] = run_ranks(cfg_for(a.model, train_workers=2), trajs, a.steps, 2)
-    results["packed, 2 ranks"] = run_ranks(cfg_for(a.model, train_workers=2, packing=True), trajs, a.steps, 2)
+    for name, over in runs.items():
+        cfg, world = cfg_for(a.model, **over), over.get("train_workers", 1)
+        results[name] = seconds_per_step(cfg, trajs, a.steps) if world == 1 else run_ranks(cfg, trajs, a.steps, world)
     base = results["padded, 1 rank"]
     for name, s in results.items():
         print(f"{name:>16}: {tokens / s:9.0f} train tokens/s  ({base / s:.2f}x baseline)")

@@ -24,9 +24,10 @@ HEADER = (f"# Flag reference\n\nGenerated from `main.build_parser()` by `{COMMAN
           "anything starts (`main.validate`), with a message that names the flag.\n\n")
 
 
-def flags_markdown(parser: argparse.ArgumentParser, root: str) -> str:
-    """Every flag of `parser` as Markdown tables, one per argument group.
-    Defaults under `root` (the checkout) are shown relative to it, so the page is the same anywhere."""
+def page() -> str:
+    """Every flag of main.py as Markdown tables, one per argument group. Defaults under the
+    checkout are shown relative to it, so the page is the same anywhere."""
+    parser, root = main.build_parser(), str(main.ROOT)
     lines = []
     for group in parser._action_groups:   # argparse keeps its groups only here
         actions = [a for a in group._group_actions if a.option_strings and a.dest != "help"]
@@ -47,11 +48,7 @@ def flags_markdown(parser: argparse.ArgumentParser, root: str) -> str:
             flag = flag.replace("|", "\\|")   # a pipe in a table cell, even in code, must be escaped
             lines.append(f"| `{flag}` | {default} | {help_text} |")
         lines.append("")
-    return "\n".join(lines).rstrip() + "\n"
-
-
-def page() -> str:
-    return HEADER + flags_markdown(main.build_parser(), str(main.ROOT))
+    return HEADER + "\n".join(lines).rstrip() + "\n"
 
 
 if __name__ == "__main__":

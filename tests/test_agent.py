@@ -8,6 +8,7 @@ import pytest
 import agent as agents
 from agent import Env, Result
 from fakes import FakeEngine
+from trajectory import DropRollout
 
 
 class Guess(Env):
@@ -75,16 +76,23 @@ def test_load_agent(tmp_path):
         agents.load_agent(str(tmp_path / "missing.py"))
 
 
-@pytest.mark.parametrize("override, ok", [
-    ({"max_tokens": 2, "seed": 1}, True),            # do not change the distribution
-    ({"temperature": 1.0}, True),                     # the run's own value
-    ({"temperature": 0.5}, False),
-    ({"top_p": 0.9}, False),
-    ({"top_k": 5}, False),
+@pytest.mark.parametrize("override, refused", [
+    ({"max_tokens": 2, "seed": 1, "stop": ["9"], "ignore_eos": False}, None),   # do not change the distribution
+    ({"temperature": 1.0}, None),                     # the run's own value
+    ({"temperature": 0.5}, "'temperature': 0.5"),
+    ({"top_p": 0.9}, "'top_p': 0.9"),
+    ({"top_k": 5}, "'top_k': 5"),
+    ({"max_tokens": 0}, "'max_tokens': 0"),          # the engine would refuse these and stop the run
+    ({"max_tokens": "4"}, "'max_tokens': '4'"),
+    ({"min_tokens": 1}, "'min_tokens': 1"),
+    ({"stop": "9"}, "'stop': '9'"),
+    ({"stop_token_ids": [-1]}, "'stop_token_ids'"),
+    (["max_tokens"], "\\['max_tokens'\\] refused"),
 ])
-def test_sampling_override_may_not_change_the_distribution(tiny_tokenizer, override, ok):
-    """The trainer scores every token at --temperature over the full softmax: an Env that
-    changes temperature/top_p/top_k for a later turn is refused, other keys pass through."""
+def test_sampling_override_is_checked_and_may_not_change_the_distribution(tiny_tokenizer, override, refused):
+    """The trainer scores every token at --temperature over the full softmax: an Env that changes
+    temperature/top_p/top_k for a later turn, or sets a key or value the engine would refuse, loses its
+    rollout (dropped/sampling_params) before the engine sees it; valid keys pass through."""
     class Override(Env):
         max_turns = 2
 
@@ -93,12 +101,44 @@ def test_sampling_override_may_not_change_the_distribution(tiny_tokenizer, overr
     engine = FakeEngine(tiny_tokenizer, ["3", "5"])
     run = agents.run_env(Override(), {"prompt": "?"}, engine, tiny_tokenizer,
                          sampling={"max_tokens": 4, "temperature": 1.0, "top_p": 1.0}, max_len=64)
-    if ok:
+    if refused is None:
         traj = asyncio.run(run)
         assert traj.info["turns"] == 2
     else:
-        with pytest.raises(ValueError, match=f"may not change \\['{next(iter(override))}'\\]"):
+        with pytest.raises(DropRollout, match=refused) as e:
             asyncio.run(run)
+        assert e.value.reason == "sampling_params" and len(engine.prompts) == 1   # the engine never saw it
+
+
+def test_a_prompt_longer_than_max_len_is_dropped_not_trained_empty(tiny_tokenizer):
+    engine = FakeEngine(tiny_tokenizer, ["3"])
+    with pytest.raises(DropRollout, match="the prompt is 11 tokens") as e:
+        asyncio.run(agents.run_env(Guess(), {"prompt": "1?2=" * 2, "label": "3"}, engine, tiny_tokenizer,
+                                   sampling={"max_tokens": 4}, max_len=11))
+    assert e.value.reason == "prompt_too_long" and not engine.prompts
+    traj = asyncio.run(agents.run_env(Guess(), {"prompt": "1?2=" * 2, "label": "3"}, engine, tiny_tokenizer,
+                                      sampling={"max_tokens": 4}, max_len=12))   # one token of room: a reply
+    assert sum(traj.mask) == 1
+
+
+def test_tiny_tokenizer_encodes_unknown_text_as_its_unknown_token_and_its_cache_is_versioned(
+        tiny_tokenizer, tmp_path, monkeypatch):
+    """Text the tiny vocabulary lacks is one unknown token per character, never its end of turn; the
+    default model's cache folder is versioned, so one built by the old tokenizer is not reused."""
+    import main
+    ids = tiny_tokenizer("hello 3?7=", add_special_tokens=False)["input_ids"]
+    unk = tiny_tokenizer.unk_token_id
+    assert unk is not None and unk != tiny_tokenizer.eos_token_id and tiny_tokenizer.eos_token_id not in ids
+    assert ids[:5] == [unk] * 5 and tiny_tokenizer.decode(ids[5:]) == " 3?7="
+    stale = tmp_path / "tiny-qwen3-chars-v1"   # what the old tokenizer left in the cache
+    stale.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (stale / name).write_text("{}")
+    monkeypatch.setenv("MOLT_CACHE", str(tmp_path))
+    cfg = main.validate(vars(main.build_parser().parse_args(["--output_dir", str(tmp_path / "run")])))
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(cfg["model"])
+    assert tok("h", add_special_tokens=False)["input_ids"] == [tok.unk_token_id] != [tok.eos_token_id]
 
 
 class Echo(Env):

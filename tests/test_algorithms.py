@@ -262,3 +262,21 @@ def test_mini_batches_are_exactly_the_asked_number(tiny_model):
     assert (m["optimizer_steps"], m["mini_batches"]) == (6, 3)
     assert math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0
     assert (_flat(t.full_state_dict()) - before).norm() > 0
+
+
+def test_dumped_per_token_advantages_and_trainer_logprobs_align_with_the_tokens(tiny_model, tmp_path):
+    """With --dump_rollouts the step returns, per trajectory and per token (aligned to `tokens`,
+    not to the predicted position), the advantage it trained with and its own logprob: zero off
+    the mask, the reward's sign (grpo) and the sampling logprobs on it (on-policy)."""
+    t = Trainer(trainer_cfg(tiny_model, estimator="grpo", dump_rollouts=tmp_path))
+    trajs = _signal_trajectories(t)
+    per_token = t.train_step(trajs)["per_token"]
+    for i, traj in enumerate(trajs):
+        adv, lp = per_token["advantages"][i], per_token["trainer_logprobs"][i]
+        assert len(adv) == len(lp) == len(traj["tokens"])
+        for a, x, sampled, m in zip(adv, lp, traj["logprobs"], traj["mask"]):
+            if not m:
+                assert a == x == 0.0
+            else:
+                assert a != 0 and math.copysign(1, a) == math.copysign(1, traj["reward"])
+                assert abs(x - sampled) < 1e-4 and x < 0

@@ -7,6 +7,10 @@ ids where a test needs exact control: SmolLM2's real ChatML template with tools,
 prefix rewrites, retries, the context clamp, bad requests."""
 
 import asyncio
+import collections
+import contextlib
+import functools
+import itertools
 import json
 from pathlib import Path
 
@@ -20,6 +24,7 @@ from _smollm import smol_tokenizer
 from fakes import Recorder, check_token_exact, fake, ids
 from agent import ChatAgent, Result
 from server import ChatServer
+from trajectory import DropRollout
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "agents"
 SAMPLING = {"temperature": 1.0, "max_tokens": 4}
@@ -359,6 +364,99 @@ def test_bad_requests_get_4xx_json_and_the_server_lives_on(server, loop, tiny_to
     check_token_exact(segs, rec.calls)
 
 
+def test_a_turn_end_other_than_the_tokenizers_eos_ends_the_turn_everywhere(tiny_model, tmp_path, server, loop):
+    """Gemma-it ends turns with <end_of_turn>, an eos id of its generation_config but not its tokenizer's
+    eos, and vLLM stops on it: the Env reads the reply without it, the trace holds it once, and an SDK
+    client gets neither it as content nor its logprob."""
+    import shutil
+    from transformers import AutoTokenizer
+    from trajectory import render
+    folder = tmp_path / "turn-end"
+    shutil.copytree(tiny_model, folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.eos_token = "<|tool|>"   # the tokenizer's eos; the template ends turns with <|end|> (id 0)
+    tok.save_pretrained(folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_token_id, 0]}))
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert tok.eos_token_id != 0 and tok.convert_ids_to_tokens(0) == "<|end|>"
+    seen = []
+
+    class TwoTurns(agents.Env):
+        max_turns = 2
+
+        async def step(self, state):
+            seen.append(state.action)
+            return Result(reward=1.0, observation="1", terminated=False)
+    traj = loop.run_until_complete(agents.run_env(TwoTurns(), {"prompt": "1?2="}, fake(tok, [ids(tok, "7") + [0],
+                                                                                             ids(tok, "8") + [0]]),
+                                                  tok, sampling=SAMPLING, max_len=64))
+    assert seen == ["7", "8"]
+    talk = [{"role": "user", "content": "1?2="}, {"role": "assistant", "content": "7"},
+            {"role": "user", "content": "1"}, {"role": "assistant", "content": "8"}]
+    assert traj.tokens == ids(tok, render(tok, talk, False))   # each turn's end once, where the template puts it
+
+    class Ask(ChatAgent):
+        async def run(self, ctx):
+            async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+                r = await client.chat.completions.create(model="m", messages=ctx.messages, logprobs=True)
+            seen.append((r.choices[0].message.content, len(r.choices[0].logprobs.content)))
+            return Result(reward=1.0)
+    loop.run_until_complete(agents.run_chat_agent(Ask(), {"prompt": "1?2="}, fake(tok, [ids(tok, "7") + [0]]), tok,
+                                                  server, sampling=SAMPLING, max_len=64))
+    assert seen[-1] == ("7", 1)
+
+
+class Abandons(ChatAgent):
+    """Abandons its first call while it samples (as an SDK timeout or a cancelled race does), is answered
+    by its second, and ends with a third still in flight (its client still open)."""
+
+    def __init__(self, events):
+        self.events = events
+
+    async def run(self, ctx):
+        ev = self.events
+        self.client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        ask = functools.partial(self.client.chat.completions.create, model="m")
+        first = asyncio.ensure_future(ask(messages=ctx.messages))
+        await ev["sampling 0"].wait()
+        first.cancel()   # the SDK closes the connection: the server must not train what it never delivered
+        with contextlib.suppress(asyncio.TimeoutError):   # (a bound only for today's code, which never cancels)
+            await asyncio.wait_for(ev["cancelled 0"].wait(), 30)
+        ev["release 0"].set()
+        reply = (await ask(messages=ctx.messages)).choices[0].message.content
+        self.third = asyncio.ensure_future(ask(messages=ctx.messages + [{"role": "assistant", "content": reply},
+                                                                       {"role": "user", "content": "1"}]))
+        await ev["sampling 2"].wait()
+        return Result(reward=1.0)
+
+
+def test_a_reply_never_delivered_is_not_trained_and_a_returned_rollout_never_changes(server, loop, tiny_tokenizer):
+    tok = tiny_tokenizer
+    events = collections.defaultdict(asyncio.Event)
+    replies = ["9", "5", "7"]
+
+    async def generate(prompt, sampling):
+        n = 3 - len(replies)
+        reply = ids(tok, replies.pop(0)) + [tok.eos_token_id]
+        events[f"sampling {n}"].set()
+        try:
+            await events[f"release {n}"].wait() if n != 1 else None
+        except asyncio.CancelledError:
+            events[f"cancelled {n}"].set()
+            raise
+        return {"token_ids": reply, "logprobs": [-0.5] * len(reply), "version": 1, "finish_reason": "stop"}
+    agent = Abandons(events)
+    segments = loop.run_until_complete(agents.run_chat_agent(agent, {"prompt": "1?2="}, generate, tok, server,
+                                                             sampling=SAMPLING, max_len=64))
+    handed = [list(s.tokens) for s in segments]
+    assert len(handed) == 1 and tok.decode(list(itertools.compress(handed[0], segments[0].mask))) == "5<|end|>"
+    events["release 2"].set()   # the call left in flight could now finish: it must not reach the rollout
+    loop.run_until_complete(asyncio.wait([agent.third], timeout=30))
+    loop.run_until_complete(agent.client.close())
+    assert [list(s.tokens) for s in segments] == handed
+    assert agent.third.done() and events["cancelled 2"].is_set()   # the engine request was cancelled too
+
+
 # ----------------------------------------------------------- run_chat_agent and load_agent
 
 
@@ -374,6 +472,13 @@ class NaN(ChatAgent):
         return Result(reward=float("nan"))
 
 
+class TooLong(ChatAgent):
+    async def run(self, ctx):
+        async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "1?2=" * 20}])
+        return Result(reward=1.0)
+
+
 def test_run_chat_agent_errors(server, loop, tiny_tokenizer):
     tok = tiny_tokenizer
 
@@ -384,6 +489,9 @@ def test_run_chat_agent_errors(server, loop, tiny_tokenizer):
         run(Silent(), fake(tok, []))
     with pytest.raises(ValueError, match="non-finite"):
         run(NaN(), fake(tok, ["2"]))
+    with pytest.raises(DropRollout, match="no room for a reply within --max_len 64") as e:   # not trained empty
+        run(TooLong(), fake(tok, []))
+    assert e.value.reason == "prompt_too_long"
 
     async def broken(ids, sampling):
         raise RuntimeError("engine died")

@@ -92,6 +92,19 @@ def test_malformed_files(tmp_path):
         data.load_rows(str(tmp_path / "plain"))
 
 
+def test_a_finite_prompts_is_an_epoch_asked_again_with_the_next_seed():
+    """The loop takes rows with next(); a finite prompts() ended the run as "coroutine raised
+    StopIteration". It is an epoch, as a dataset's; one that yields nothing is named."""
+    class Finite:
+        @classmethod
+        def prompts(cls, seed):
+            yield from ({"prompt": f"{seed}:{i}"} for i in range(2 if seed < 9 else 0))
+    rows = data.prompt_source({"seed": 7}, Finite)
+    assert [r["prompt"] for r in itertools.islice(rows, 4)] == ["7:0", "7:1", "8:0", "8:1"]
+    with pytest.raises(ValueError, match=r"Finite.prompts\(seed=9\) yielded no rows"):
+        next(rows)
+
+
 def test_dataset_stream_reshuffles_each_epoch_with_the_seed(tmp_path):
     path = _write(tmp_path, "jsonl", [{"prompt": str(i)} for i in range(20)])
     cfg = {"dataset": path, "input_key": "prompt", "label_key": "label", "seed": 3}

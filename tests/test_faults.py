@@ -18,7 +18,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+import fakes
 import faults
+import agent as agents
+from agent import Env, Result
 import logs
 import main
 
@@ -185,6 +188,34 @@ def test_agent_thread_keeps_the_loop_free_and_watchdog_names_the_blocker(monkeyp
     assert any("agent thread" in r and "blocking_step" in r for r in reports), reports
 
 
+def test_a_timeout_error_raised_by_agent_code_is_its_error_not_agent_timeout(tiny_model, tiny_tokenizer):
+    """Only the rollout's own --agent_timeout counts as dropped/timeout; a TimeoutError the agent's
+    code raises (its HTTP client, its database) is an agent error like any other."""
+    import loop
+
+    class RaisesTimeout(Env):
+        async def step(self, state):
+            raise TimeoutError("the agent's database timed out")
+
+    class Hangs(Env):
+        async def step(self, state):
+            await asyncio.Event().wait()
+
+    class Engine:
+        def session(self):
+            return fakes.FakeEngine(tiny_tokenizer, ["3"])
+
+        def is_engine_error(self, e):
+            return False
+    cfg = {"model": tiny_model, "max_len": 64, "max_turns": 1, "max_images_per_prompt": None, "agent_timeout": 0.05,
+           "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 4}
+    for cls, reason, said in ((RaisesTimeout, "error", "TimeoutError: the agent's database timed out"),
+                              (Hangs, "timeout", "rollout exceeded --agent_timeout 0.05s")):
+        pool = loop.RolloutPool(cfg, cls, iter([]), Engine(), tiny_tokenizer)
+        assert asyncio.run(pool._rollout(0, {"prompt": "1?2="})) == []
+        assert pool.drops == {reason: 1} and said in pool.last_failure
+
+
 CLIENT = httpx.AsyncClient()   # module level, as LiteLLM keeps its one process-wide client
 
 
@@ -225,16 +256,61 @@ def test_a_module_level_async_client_serves_every_rollout():
     assert asyncio.run(main_()) == [[{"ok": 1}] * 3] * 32
 
 
+class BlockingSteps(Env):
+    """Blocking code written as plain functions: each step waits at a barrier that only N steps
+    running at once can pass (run one at a time, as they were, the barrier breaks)."""
+    barrier: threading.Barrier
+    loops: list
+
+    async def reset(self, row):
+        self.loops.append(threading.current_thread().name)   # async code: on the shared agent loop
+
+    def step(self, state):
+        self.barrier.wait(timeout=20)
+        time.sleep(0.01)   # blocking work, after the barrier
+        return Result(reward=1.0, observation="1", terminated=state.turn == 2)
+
+
+def test_blocking_agent_code_runs_concurrently_and_async_code_shares_one_loop(tiny_tokenizer):
+    n = 8
+    BlockingSteps.barrier, BlockingSteps.loops = threading.Barrier(n), []
+
+    async def main_():
+        threads = faults.AgentThreads()
+
+        async def one():
+            thread = threads.take()   # taken in one burst, as the pool takes them
+            try:
+                return await agents.run_env(BlockingSteps(), {"prompt": "1?2="}, fakes.fake(tiny_tokenizer, ["3"] * 3),
+                                            tiny_tokenizer, sampling={"max_tokens": 4}, max_len=64,
+                                            max_turns=3, call=thread.call)
+            finally:
+                threads.give_back(thread)
+        try:
+            return await asyncio.gather(*[one() for _ in range(n)])
+        finally:
+            threads.close()
+    trajs = asyncio.run(main_())
+    assert [t.info["turns"] for t in trajs] == [3.0] * n      # every turn's N steps passed the barrier together
+    assert BlockingSteps.loops == ["molt-agent-0"] * n         # async code on the one shared loop
+
+
 def test_a_finished_call_is_delivered_while_the_next_call_blocks_the_agent_loop():
     """Rollouts share one agent loop: a call that has finished reaches its caller even when the
     call behind it on that loop blocks it (its outcome must not wait for the loop's next turn)."""
     thread, gate, release = faults.AgentThread("molt-agent-test"), threading.Event(), threading.Event()
 
+    async def blocking(event):   # an async def that blocks its loop (a plain def would get a thread of its own)
+        return event.wait(10)
+
+    async def at_once(fn):   # finishes in its first step: nothing to wait for
+        return fn()
+
     async def main():
-        held = asyncio.ensure_future(thread.call(gate.wait, 10))     # holds the loop while A and B queue
-        a = asyncio.ensure_future(thread.call(lambda: "a"))
-        error = asyncio.ensure_future(thread.call(lambda: {}["missing"]))
-        b = asyncio.ensure_future(thread.call(release.wait, 10))     # blocks the loop until A is delivered
+        held = asyncio.ensure_future(thread.call(blocking, gate))     # holds the loop while A and B queue
+        a = asyncio.ensure_future(thread.call(at_once, lambda: "a"))
+        error = asyncio.ensure_future(thread.call(at_once, lambda: {}["missing"]))
+        b = asyncio.ensure_future(thread.call(blocking, release))     # blocks the loop until A is delivered
         await asyncio.sleep(0)                                        # all four posted
         gate.set()
         assert await a == "a"
@@ -247,6 +323,25 @@ def test_a_finished_call_is_delivered_while_the_next_call_blocks_the_agent_loop(
         assert asyncio.run(main()) == (True, True)   # B was released by A's delivery, not by its timeout
     finally:
         thread.close()
+
+
+def test_a_call_cancelled_after_its_agent_loop_closed_ends_cancelled_not_as_an_error():
+    """Ctrl-C: the loop's `finally` closes the agent threads while the cancelled rollouts unwind. A
+    rollout whose agent loop has closed ends cancelled, not with "Event loop is closed" (which the
+    pool counted and logged as a dropped rollout)."""
+    thread = faults.AgentThread("molt-agent-test")
+
+    async def main_():
+        call = asyncio.ensure_future(thread.call(asyncio.sleep, 60))
+        while not thread.tasks:   # started on the agent loop
+            await asyncio.sleep(0.01)
+        thread.close()
+        thread.thread.join(10)
+        assert thread.loop.is_closed()
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+    asyncio.run(main_())
 
 
 def test_agent_thread_calls_run_there_and_bring_back_results_errors_and_cancellation():

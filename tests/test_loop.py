@@ -11,6 +11,7 @@ import estimators
 import fakes
 import logs
 import main
+import viewer
 
 FLAKY_AGENT = '''
 from agent import Env, Result
@@ -48,7 +49,7 @@ def test_short_run_trains_logs_and_cleans_up(tiny_model, tmp_path, monkeypatch):
     out = tmp_path / "run"
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     summary = main.main(["--model", tiny_model, "--agent", str(agent), "--steps", "3", "--train_workers", "2",
-                         "--output_dir", str(out), *SMALL])
+                         "--output_dir", str(out), *SMALL, "--dump_rollouts", str(tmp_path / "dump")])
     lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3]
     for m in lines:
@@ -58,6 +59,21 @@ def test_short_run_trains_logs_and_cleans_up(tiny_model, tmp_path, monkeypatch):
         assert all(isinstance(v, (int, float)) and v == v for v in m.values())  # finite, no NaN
     assert sum(m.get("dropped/error", 0) for m in lines[-1:]) > 0   # crashed rollouts were counted
     assert "info/len" in lines[0]
+    # The dump has what the viewer shows: each token's advantage and trainer logprob, and the dropped rollouts.
+    trained = [t for trajs in _dumped(tmp_path / "dump") for t in trajs]
+    assert len(trained) == sum(m["rollouts"] for m in lines)
+    for t in trained:
+        assert len(t["advantages"]) == len(t["trainer_logprobs"]) == len(t["tokens"])
+        assert all(abs(a - b) < 1e-4 if m else a == b == 0 for a, b, m in zip(t["trainer_logprobs"], t["logprobs"], t["mask"]))
+    dropped = [t for trajs in _dumped(tmp_path / "dump", dropped=True) for t in trajs]
+    assert len(dropped) == lines[-1]["dropped/error"]
+    assert all(d["dropped"] == "error" and d["prompt"].startswith("1") and "agent bug" in d["detail"] for d in dropped)
+    index = viewer.write(out)   # the run's rollouts in the viewer (tests/test_viewer.py checks the pages in a browser)
+    pages = sorted(index.parent.glob("step_*.html"))
+    assert len(pages) == 3 and "agent bug" in index.read_text()
+    first = pages[0].read_text()
+    assert first.count('"reward":') == len(_dumped(tmp_path / "dump")[0])
+    assert first.count('"dropped":"error"') == len(_dumped(tmp_path / "dump", dropped=True)[0])
     assert summary["steps"] == 3
     assert compile_off and all(compile_off)
     # Parameters changed, and the exported folder loads.
@@ -165,9 +181,10 @@ def _hooks(monkeypatch, before_update=None):
     monkeypatch.setattr(loop.RolloutPool, "_finished", _finished)
 
 
-def _dumped(dump):
-    """Each step's trajectories, in step order (step s trains policy version s in a fresh run)."""
-    return [[json.loads(l) for l in f.read_text().splitlines()] for f in sorted(dump.glob("step_*.jsonl"))]
+def _dumped(dump, dropped=False):
+    """Each step's trained (or else dropped) trajectories, in step order (step s trains policy version s in a fresh run)."""
+    return [[t for l in f.read_text().splitlines() if ("dropped" in (t := json.loads(l))) == dropped]
+            for f in sorted(dump.glob("step_*.jsonl"))]
 
 
 def _sampled_versions(t):
@@ -211,6 +228,9 @@ def test_a_slow_group_is_dropped_at_consumption_when_its_tokens_are_too_stale(ti
         assert all(policy - v <= 1 for t in trajs for v in _sampled_versions(t)), f"step {policy + 1}"
     assert [m.get("dropped/stale", 0) for m in lines] == [0, 0, 0, 2, 2]   # row 0's 2 rollouts, at step 4
     assert all(t["group"] != 0 for trajs in steps for t in trajs)
+    stale = _dumped(dump, dropped=True)   # the dump keeps them, with their reason and tokens
+    assert [[(t["dropped"], t["group"]) for t in trajs] for trajs in stale] == [[], [], [], [("stale", 0)] * 2, []]
+    assert all(len(t["tokens"]) == len(t["mask"]) > 0 for t in stale[3])
 
 
 LONG_AGENT = """
