@@ -30,8 +30,11 @@ def peft_config(cfg: dict) -> dict | None:
             "exclude_modules": r".*visual.*"}   # a VLM: the adapter is on the language model only
 
 
-def add_adapters(model: torch.nn.Module, config: dict) -> torch.nn.Module:
-    """peft's LoRA layers in place (the model keeps its class and module paths); only they require grad."""
+def add_adapters(model: torch.nn.Module, config: dict | None) -> torch.nn.Module:
+    """peft's LoRA layers in place (the model keeps its class and module paths); only they require grad.
+    The model as it is when `config` is None (no --lora_rank)."""
+    if config is None:
+        return model
     import warnings
 
     from peft import LoraConfig, inject_adapter_in_model

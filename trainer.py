@@ -172,8 +172,7 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
             self.dummy_image_ids = ([config.vision_start_token_id] + [config.image_token_id] * count
                                     + [config.vision_end_token_id])
         model = without_dropout(load_model(cfg["model"]))
-        if lora.peft_config(cfg):  # LoRA: only the adapters train (lora.py)
-            lora.add_adapters(model, lora.peft_config(cfg))
+        lora.add_adapters(model, lora.peft_config(cfg))  # --lora_rank: only the adapters train (lora.py)
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         if cfg.get("freeze_router"):
             for gate in parallel.moe_gates(model):
@@ -190,7 +189,6 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         if self.estimator.teacher or (cfg["kl_coef"] > 0 and (cfg["kl_loss"] or cfg["kl_in_reward"])):
             # No routing hooks: the KL/distillation target is the reference's own distribution, with
             # its own expert choices, never the policy's sampled routing (--routing_replay).
-            # With LoRA and no --ref_model, the reference is the policy with its adapters off.
             self.ref = (lora.BaseView(self.model) if lora.peft_config(cfg) and not cfg["ref_model"]
                         else self._shard(load_model(cfg["ref_model"] or cfg["model"])).requires_grad_(False).eval())
         self.critic = self.critic_optimizer = None
@@ -277,9 +275,7 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
             if self.critic is not None:
                 out["values"][i] += self._values(x).cpu() * own
         scored = dict(zip(keys, self._reduce(torch.stack([out[k] for k in keys])).unbind(0)))
-        if bypass:
-            scored.update(old=batch["rollout_logprobs"] * batch["mask"], entropy=None)
-        return scored
+        return {**scored, "old": batch["rollout_logprobs"] * batch["mask"], "entropy": None} if bypass else scored
 
     # ---- one RL step ------------------------------------------------------------------------
     def train_step(self, trajectories: list[dict]) -> dict:
