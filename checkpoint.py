@@ -19,7 +19,7 @@ class Checkpoints:
         """(what DCP saves/loads, the state dicts it views). MoE experts appear one entry per
         expert (`split_experts`), views of this rank's rows, so a load fills them in place."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
-        dicts = {"model": get_state_dict(self.model, self.optimizer)}
+        dicts = {"model": get_state_dict(self.model, self.optimizer, options=self.model_options())}
         if self.critic is not None:
             dicts["critic"] = get_state_dict(self.critic, self.critic_optimizer)
         state = {"version": torch.tensor(self.version)}
@@ -27,6 +27,11 @@ class Checkpoints:
             state[name] = split_experts(msd, self.dims)
             state[OPTIM_KEY[name]] = split_experts(osd, self.dims)
         return state, dicts
+
+    def model_options(self):
+        """With LoRA the policy's base never changes: only the adapter (and its optimizer) is saved and loaded."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+        return StateDictOptions(ignore_frozen_params=True, strict=False) if self.cfg.get("lora_rank") else None
 
     def save_checkpoint(self, path: str) -> str:
         """Model, optimizer, critic (+ its optimizer) and version; every rank writes its own shards (all call it)."""
@@ -44,7 +49,7 @@ class Checkpoints:
             if name in dicts:  # the views were filled in place; param_groups come from the checkpoint
                 msd, osd = dicts[name]
                 groups = state[OPTIM_KEY[name]]["param_groups"]
-                set_state_dict(module, optimizer, model_state_dict=msd,
+                set_state_dict(module, optimizer, model_state_dict=msd, options=self.model_options() if name == "model" else None,
                                optim_state_dict={"state": osd["state"], "param_groups": groups})
         self.version = int(state["version"])
         return self.version

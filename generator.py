@@ -38,6 +38,8 @@ from unittest import mock
 
 import torch
 
+import lora
+
 # Keys of the sampling dict an agent or the loop may set per request.
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed", "ignore_eos",
                  "stop", "top_logprobs")
@@ -52,7 +54,8 @@ class Generator:
                  partial_rollout: bool = False, tp_size: int = 1, dp_size: int = 1,
                  expert_parallel: bool = False, spec_decode: str | None = None, spec_tokens: int = 3,
                  max_images: int = 8, trust_remote_code: bool = False, max_seqs: int = 1024, kv_seqs: int = 0,
-                 kv_gb: float | None = None, cpu_slot: tuple[list[str], int] | None = None):
+                 kv_gb: float | None = None, cpu_slot: tuple[list[str], int] | None = None,
+                 adapter: dict | None = None):
         self.threads = None  # the engine core's OpenMP threads on CPU (said at start-up)
         if cpu_slot is not None:  # our cores and threads, counted on our node, before vLLM starts
             os.environ.update(cpu_engine_env(*cpu_slot, tp_size=tp_size))
@@ -91,6 +94,8 @@ class Generator:
             disable_log_stats=True,   # vLLM's per-step stats and Prometheus loggers: nothing here reads them
             speculative_config=speculative_config(spec_decode, spec_tokens),
             trust_remote_code=trust_remote_code,
+            # LoRA: one adapter slot, swapped in place at each update (lora.py)
+            **({"enable_lora": True, "max_loras": 1, "max_lora_rank": lora.engine_rank(adapter["r"])} if adapter else {}),
             # Images per request (all turns of a trajectory); no video input.
             **({"limit_mm_per_prompt": {"image": max_images, "video": 0}} if vlm else {}),
         )
@@ -102,6 +107,8 @@ class Generator:
         # request in flight, every few hundred rollouts. They live as long as the engine.
         gc.freeze()
         self.partial_rollout = partial_rollout
+        self.adapter = adapter     # LoRA: the adapter's peft config; from the first update every request names it
+        self.lora_request = None
         self.version = 0          # policy version of the weights now loaded
         self._ids = itertools.count()
         self.busy_s = 0.0         # wall time with at least one request running
@@ -190,7 +197,8 @@ class Generator:
                     **({"top_logprobs": []} if k else {})} for _ in range(n)]
         self._enter()
         try:
-            async for out in self.engine.generate(prompt, params, request_id=f"r{next(self._ids)}"):
+            async for out in self.engine.generate(prompt, params, request_id=f"r{next(self._ids)}",
+                                                  lora_request=self.lora_request):
                 for comp in out.outputs:
                     r, new = results[comp.index], list(comp.token_ids)
                     r["token_ids"] += new
@@ -229,10 +237,13 @@ class Generator:
         t0 = time.perf_counter()
         await self.engine.pause_generation(mode="keep" if self.partial_rollout else "wait", clear_cache=True)
         try:
-            missing = await (self.engine.collective_rpc("molt_receive_weights") if blob is None
-                             else self.engine.collective_rpc("molt_load_weights", args=(blob,)))
+            missing = await (self.engine.collective_rpc("molt_receive_weights", args=(self.adapter,)) if blob is None
+                             else self.engine.collective_rpc("molt_load_weights", args=(blob, self.adapter)))
             await self.engine.reset_prefix_cache()  # no KV from old weights survives
             await self.engine.update_weight_version(str(version))   # labels the steps from here on
+            if self.adapter:  # the slot holds an adapter now (the path is never read: lora.load_into_engine)
+                from vllm.lora.request import LoRARequest
+                self.lora_request = LoRARequest("molt", lora.ADAPTER_ID, "in-memory")
             self.version = version
         finally:
             await self.engine.resume_generation()
@@ -454,7 +465,8 @@ def start_engines(cfg: dict) -> Engines:
             max_images=cfg["max_images_per_prompt"], trust_remote_code=cfg["trust_remote_code"],
             max_seqs=cfg["engine_max_seqs"], kv_seqs=-(-cfg.get("rollout_in_flight", 0) * cfg["samples_per_prompt"] // n),
             kv_gb=cfg.get("kv_cache_gb"),
-            cpu_slot=None if gpus else (nodes, i, trainers_here, overlap, cfg.get("engine_threads"))))
+            cpu_slot=None if gpus else (nodes, i, trainers_here, overlap, cfg.get("engine_threads")),
+            adapter=lora.peft_config(cfg)))
     return Engines(actors, cfg["check_weight_sync"], broadcast=cfg["weight_sync"] == "broadcast",
                    workers_per_engine=per_engine)
 

@@ -108,10 +108,11 @@ def run_tagged(cfg: dict) -> dict:
         if resume_from is not None:
             start = json.loads((resume_from / "loop.json").read_text())
             ray.get(trainer.call("load_checkpoint", str(resume_from / "trainer")))
-            if engines is not None:  # the engines start from the checkpoint's weights
-                asyncio.run(engines.update_weights(trainer, start["version"]))
             logs.keep_metrics(out / "metrics.jsonl", start["step"])
             log.warning("resumed from %s (step %d)", resume_from, start["step"])
+        if engines is not None and (resume_from is not None or cfg["lora_rank"]):
+            # the checkpoint's weights; a LoRA engine's first adapter (every request names it)
+            asyncio.run(engines.update_weights(trainer, start["version"]))
         setup_s = time.perf_counter() - t0
 
         if cfg["eval_only"]:

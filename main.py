@@ -20,6 +20,7 @@ import torch
 import data
 import estimators
 import logs
+import lora
 import losses
 import vision
 
@@ -207,6 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--is_mode", default="trunc", help=f"how IS weights act: {', '.join(losses.IS_MODES)} "
                    "(mask: ratio where the gate is inside --is_band, else 0 (IcePop); reject: 1 inside, 0 outside; "
                    "clip: ratio clamped to the band; trunc: min(ratio, HIGH))")
+    g.add_argument("--old_logprobs", default="recompute", choices=["recompute", "engine"], help="the old policy's "
+                   "logprobs of the PPO ratio: recompute (a trainer forward before the update) or engine (the sampling "
+                   "logprobs: one forward less per step, verl's bypass mode; only when exactly on-policy: --async_depth "
+                   "0, --mini_batches 1, --ppo_epochs 1, no replay; sound where trainer and engine agree, as in float32 "
+                   "(gap ~1e-6); the IS correction and mismatch metrics then see no gap)")
     g.add_argument("--is_band", type=float, nargs=2, default=[0.0, 2.0], metavar=("LOW", "HIGH"),
                    help="IS weight band (trunc uses HIGH only)")
 
@@ -245,6 +251,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--routing_replay", action="store_true", help="MoE: the trainer reuses the expert selection "
                    "recorded at sampling (trajectories' 'routing'); router logits still recomputed. Refused for now: "
                    "the generator does not capture the engine's routed experts")
+    g.add_argument("--lora_rank", type=int, default=0, help="LoRA: train rank-R peft adapters on the frozen base and "
+                   "sync only them into the engines (0: full fine-tuning); the KL reference is the base (adapters off)")
+    g.add_argument("--lora_alpha", type=float, default=None, help="LoRA scaling alpha (default: 2 * --lora_rank)")
+    g.add_argument("--lora_targets", nargs="+", default=None, help="module names that get adapters (default: "
+                   "the attention and MLP projections, " + " ".join(lora.DEFAULT_TARGETS) + ")")
     g.add_argument("--freeze_router", action="store_true", help="MoE: router weights out of the optimizer and weight sync")
     g.add_argument("--freeze_vision", action="store_true", help="vision-language models: the vision tower (and its "
                    "projector) out of the optimizer and weight sync")
@@ -291,11 +302,12 @@ def validate(cfg: dict) -> dict:
               "engine_tp_size", "engine_dp_size", "spec_tokens", "sync_bucket_mb", "engine_max_seqs",
               "branches", "train_threads", "engine_threads"):   # the last two: None for a default said at start-up
         need(cfg[k] is None or cfg[k] >= 1, f"--{k} must be >= 1, got {cfg[k]}")
-    need(cfg["async_depth"] >= 0, f"--async_depth must be >= 0, got {cfg['async_depth']}")
+    for k in ("async_depth", "lora_rank"):
+        need(cfg[k] >= 0, f"--{k} must be >= 0, got {cfg[k]}")
     need(cfg["branch_turns"] is None or (cfg["branches"] > 1 and min(cfg["branch_turns"]) >= 1), "--branch_turns "
          f"{cfg['branch_turns']}: needs --branches > 1 and turns >= 1 (turn 0 is the prompt: --samples_per_prompt)")
-    for k, op, bound in (("kl_coef", ">=", 0), ("reward_clip", ">", 0), ("lr", ">", 0), ("agent_timeout", ">", 0),
-                         ("eval_every", ">=", 0), ("save_every", ">=", 0), ("kv_cache_gb", ">", 0),
+    for k, op, bound in (("kl_coef", ">=", 0), ("reward_clip", ">", 0), ("lora_alpha", ">", 0), ("lr", ">", 0),
+                         ("agent_timeout", ">", 0), ("eval_every", ">=", 0), ("save_every", ">=", 0), ("kv_cache_gb", ">", 0),
                          ("eval_temperature", ">=", 0), ("keep_checkpoints", ">=", 1), ("max_failed_groups", ">=", 1),
                          ("micro_batch_tokens", ">=", 1), ("max_images_per_prompt", ">=", 1)):   # None: not set
         need(cfg[k] is None or (cfg[k] > bound if op == ">" else cfg[k] >= bound), f"--{k} must be {op} {bound}")
@@ -365,6 +377,12 @@ def validate(cfg: dict) -> dict:
         why = native_bf16()
         cfg["param_dtype"] = "bfloat16" if why else "float32"
         print(f"--param_dtype auto: {cfg['param_dtype']} ({why or 'no native bf16 on this CPU'})", file=sys.stderr)
+    # The engine's sampling logprobs are the old policy's only when every token was sampled by the weights the
+    # step starts from and the step makes one update (after a first mini-batch or epoch the policy has moved).
+    on_policy = cfg["async_depth"] == 0 and cfg["mini_batches"] == cfg["ppo_epochs"] == 1 and not cfg["replay_rollouts"]
+    need(cfg["old_logprobs"] != "engine" or on_policy, "--old_logprobs engine needs an exactly on-policy step "
+         "(--async_depth 0, --mini_batches 1, --ppo_epochs 1, no --replay_rollouts): otherwise the engine's "
+         "logprobs are not the old policy's; use --old_logprobs recompute")
     # engine
     if cfg["weight_sync"] == "auto":
         # NCCL needs the trainer's and the engine's GPU to differ: with one GPU they share it.
@@ -436,6 +454,14 @@ def validate(cfg: dict) -> dict:
          "model runner V2, GPU only) and the generator does not capture them on GPU yet, so the flag would do "
          "nothing: drop it (or train --replay_rollouts whose trajectories carry 'routing')")
     vlm = hasattr(model_cfg, "vision_config")
+    if cfg["lora_rank"]:
+        need(cfg["lora_rank"] <= lora.ENGINE_RANKS[-1], f"--lora_rank must be <= {lora.ENGINE_RANKS[-1]} (vLLM's largest)")
+        need(cfg["tp_size"] == cfg["cp_size"] == cfg["ep_size"] == 1 and not moe, "--lora_rank trains with data "
+             "parallelism (FSDP2, packing, offload, activation checkpointing) on dense models: --tp_size, --cp_size "
+             "and --ep_size must be 1 (TP plans and CP attention name the plain projections peft wraps) and MoE is "
+             "not supported (fused expert weights are not nn.Linear)")
+    else:
+        need(cfg["lora_alpha"] is None and cfg["lora_targets"] is None, "--lora_alpha/--lora_targets need --lora_rank > 0")
     need(vlm or not cfg["freeze_vision"], "--freeze_vision applies to vision-language models only")
     if vlm:
         try:  # vLLM's Qwen-VL code imports this module, which needs torchvision

@@ -16,6 +16,7 @@ from typing import Iterator
 import safetensors.torch
 import torch
 
+import lora
 import parallel
 
 
@@ -24,7 +25,10 @@ class WeightSender:
 
     def sync_state_dict(self) -> dict[str, torch.Tensor]:
         """What the engine receives: checkpoint names vLLM's load_weights takes (MoE experts per expert:
-        experts.{e}.gate_proj/up_proj/down_proj.weight), frozen weights (router, vision tower) left out."""
+        experts.{e}.gate_proj/up_proj/down_proj.weight), frozen weights (router, vision tower) left out.
+        With LoRA only the adapter, in peft's names (lora.py)."""
+        if lora.peft_config(self.cfg):
+            return lora.adapter_tensors(self.model)
         out = {}
         for k, v in self.full_state_dict().items():
             if k.endswith("mlp.experts.gate_up_proj"):        # [E, 2I, H]
@@ -67,24 +71,27 @@ class WeightReceiver:
 
     The method name must not clash with the worker's own `update_weights`."""
 
-    def molt_load_weights(self, blob: bytes) -> list[str]:
-        """Reload from a safetensors blob; returns the engine parameters it did not touch."""
-        return self._molt_reload(iter(safetensors.torch.load(blob).items()))
+    def molt_load_weights(self, blob: bytes, adapter: dict | None = None) -> list[str]:
+        """Reload from a safetensors blob (LoRA: the adapter of this peft config); returns the engine
+        parameters it did not touch."""
+        return self._molt_reload(iter(safetensors.torch.load(blob).items()), adapter)
 
     def molt_join_weight_sync(self, host: str, port: int, first_rank: int, world: int):
         """Join the trainer's weight-broadcast group (as rank first_rank + this worker's rank)."""
         self._molt_device = next(self.model_runner.get_model().parameters()).device
         self._molt_group = weight_sync_group(host, port, first_rank + self.rank, world, self._molt_device)
 
-    def molt_receive_weights(self) -> list[str]:
+    def molt_receive_weights(self, adapter: dict | None = None) -> list[str]:
         """Reload from the trainer's broadcast, one bucket in memory at a time."""
         items = receive_weights(self._molt_group, self._molt_device)
-        missing = self._molt_reload(items)
+        missing = self._molt_reload(items, adapter)
         for _ in items:  # a loader that stopped early must not leave the trainer mid-broadcast
             pass
         return missing
 
-    def _molt_reload(self, weights: Iterator[tuple[str, torch.Tensor]]) -> list[str]:
+    def _molt_reload(self, weights: Iterator[tuple[str, torch.Tensor]], adapter: dict | None) -> list[str]:
+        if adapter is not None:  # the base stays; the adapter is swapped
+            return lora.load_into_engine(self, dict(weights), adapter)
         model = self.model_runner.get_model()
         loaded: set[str] = set()
         load = model.load_weights

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 import batches
 import checkpoint
 import estimators
+import lora
 import losses
 import parallel
 import sync
@@ -170,6 +171,7 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
             self.dummy_image_ids = ([config.vision_start_token_id] + [config.image_token_id] * count
                                     + [config.vision_end_token_id])
         model = without_dropout(load_model(cfg["model"]))
+        lora.add_adapters(model, lora.peft_config(cfg))  # --lora_rank: only the adapters train (lora.py)
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         if cfg.get("freeze_router"):
             for gate in parallel.moe_gates(model):
@@ -186,8 +188,8 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         if self.estimator.teacher or (cfg["kl_coef"] > 0 and (cfg["kl_loss"] or cfg["kl_in_reward"])):
             # No routing hooks: the KL/distillation target is the reference's own distribution, with
             # its own expert choices, never the policy's sampled routing (--routing_replay).
-            self.ref = self._shard(load_model(cfg["ref_model"] or cfg["model"]))
-            self.ref.requires_grad_(False).eval()
+            self.ref = (lora.BaseView(self.model) if lora.peft_config(cfg) and not cfg["ref_model"]
+                        else self._shard(load_model(cfg["ref_model"] or cfg["model"])).requires_grad_(False).eval())
         self.critic = self.critic_optimizer = None
         if self.estimator.critic:
             self.critic = self._shard(without_dropout(ValueModel(cfg["critic_model"] or cfg["model"])))
@@ -259,18 +261,20 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         B = batch["mask"].shape[0]
         keys = ("old", "entropy", "ref", "values")
         out = {k: torch.zeros_like(batch["mask"]) for k in keys}
+        bypass = self.cfg.get("old_logprobs") == "engine"   # exactly on-policy: the engine's are the old policy's
         for mb in batches.plan(self.cfg, self.dims, torch.arange(B), batch["lengths"]):
             x = self._inputs(batch, mb)
             own, i = x["own"], x["idx"]
-            lp, ent = self._forward(self.model, x, entropy=True)
-            out["old"][i] += lp.cpu() * own
-            out["entropy"][i] += ent.cpu() * own
+            if not bypass:
+                lp, ent = self._forward(self.model, x, entropy=True)
+                out["old"][i] += lp.cpu() * own
+                out["entropy"][i] += ent.cpu() * own
             if self.ref is not None:
                 out["ref"][i] += self._forward(self.ref, x)[0].cpu() * own
             if self.critic is not None:
                 out["values"][i] += self._values(x).cpu() * own
-        summed = self._reduce(torch.stack([out[k] for k in keys]))
-        return dict(zip(keys, summed.unbind(0)))
+        scored = dict(zip(keys, self._reduce(torch.stack([out[k] for k in keys])).unbind(0)))
+        return {**scored, "old": batch["rollout_logprobs"] * batch["mask"], "entropy": None} if bypass else scored
 
     # ---- one RL step ------------------------------------------------------------------------
     def train_step(self, trajectories: list[dict]) -> dict:
@@ -391,11 +395,15 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
 
     def export(self, path: str) -> str:
         """Write a save_pretrained folder (model + tokenizer) that vLLM and transformers load."""
-        sd = self.full_state_dict()
+        adapter = lora.peft_config(self.cfg)
+        sd = lora.adapter_tensors(self.model) if adapter else self.full_state_dict()
         if self.dims.rank != 0:
             return path
         model = load_model(self.cfg["model"])
-        model.load_state_dict(sd, strict=not self.tied)
+        if adapter:  # the adapter in peft's format at PATH/adapter; the folder's weights have it merged in
+            model = lora.export(model, sd, adapter, path)
+        else:
+            model.load_state_dict(sd, strict=not self.tied)
         if self.tied:
             model.tie_weights()
         model.save_pretrained(path)
@@ -428,7 +436,6 @@ def step_metrics(batch: dict, scored: dict, advantages: torch.Tensor, version: i
     """What a step says about its batch's action tokens (`scored`: Trainer._score's; `version`: after the step)."""
     action, old, sampled = batch["mask"].bool(), scored["old"], batch["rollout_logprobs"]
     metrics = {
-        "entropy": scored["entropy"][action].mean().item(),
         "advantage_mean": advantages[action].mean().item(),
         "advantage_abs": advantages[action].abs().mean().item(),
         "action_tokens": int(action.sum()),
@@ -437,6 +444,8 @@ def step_metrics(batch: dict, scored: dict, advantages: torch.Tensor, version: i
     }
     # Tokens sampled by exactly the trainer's pre-step weights: the numeric engine/trainer gap,
     # without the policy lag that async and partial rollout add to mismatch_abs.
+    if scored["entropy"] is not None:  # not with --old_logprobs engine: the policy's forward was skipped
+        metrics["entropy"] = scored["entropy"][action].mean().item()
     fresh = action & (batch["versions"] == version - 1)
     if fresh.any():
         metrics["mismatch_fresh_abs"] = (old - sampled)[fresh].abs().mean().item()

@@ -2,8 +2,10 @@
 
 The plain trainer is what a person writes first: each step, one batched
 `transformers.generate` of the step's prompts (sampling, with the sampled tokens'
-logprobs), the agent's reward, then our own `Trainer.train_step` in this process (no
-Ray, no vLLM, no weight sync: the policy generates with its own weights), at torch's
+logprobs), the agent's reward, then a fixed training step of its own, as TRL's GRPOTrainer trains
+at its defaults (`plain_step`: group-normalized rewards, one forward and backward over the step's padded
+batch, token-level loss, the old logprobs from that same forward since each batch is used once; no KL),
+with the same peft adapter when --lora_rank is given (no Ray, no vLLM, no weight sync), at torch's
 default threads (every core), as a user runs it; `--plain_1thread` adds it at one thread. Ours is
 `main.py` with the same flags: Ray + vLLM + the FSDP2 trainer actor. Both use the same
 prompts, lengths, samples and optimizer settings; the ratios compare them, and only
@@ -14,6 +16,7 @@ the ratios mean anything across machines.
     python bench/vs_plain.py --workload smollm2_auto   # the same at --param_dtype auto (bf16 here)
     python bench/vs_plain.py --steps 8 --warmup 2 --ours sync --plain_once
     python bench/vs_plain.py --ours async --extra=--train_threads=2   # another thread split
+    python bench/vs_plain.py --lora 16 --ours sync   # also ours and plain with a rank-16 adapter: LoRA ratios
 
 Ours runs twice: on-policy (main.py's default, generation then training, like the plain
 loop) and async (`--async_depth 1 --partial_rollout`: the next step's rollouts generate
@@ -117,22 +120,29 @@ def cpu_per_step(first: dict, last: dict, steps: int) -> dict[str, float]:
 
 
 def plain(argv: list[str], steps: int, warmup: int, threads: int | None = None) -> dict:
-    """The plain loop: HF generate -> reward -> Trainer.train_step, all in this process, at torch's
+    """The plain loop: HF generate -> reward -> plain_step, all in this process, at torch's
     default threads (or `threads`)."""
     import torch
     import agent as agents
     import data
     import main
+    import lora
+    import trainer
     import trajectory
-    from trainer import Trainer
 
     mem = Processes()
     t0 = time.perf_counter()
     cfg = main.validate(vars(main.build_parser().parse_args(argv)))
     if threads:
         torch.set_num_threads(threads)
-    trainer = Trainer(cfg)
-    tok = trainer.tokenizer
+    model = trainer.without_dropout(trainer.load_model(cfg["model"])).to(getattr(torch, cfg["param_dtype"]))
+    if lora.peft_config(cfg):
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(**lora.peft_config(cfg)))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg["lr"],
+                                  betas=(0.9, 0.99), weight_decay=cfg["weight_decay"])
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(cfg["model"])
     env_cls = agents.load_agent(cfg["agent"])
     rows = data.prompt_source(cfg, env_cls)
     P, S, T = cfg["prompts_per_step"], cfg["samples_per_prompt"], cfg["temperature"]
@@ -149,9 +159,9 @@ def plain(argv: list[str], steps: int, warmup: int, threads: int | None = None) 
         pad = tok.pad_token_id
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts]).repeat_interleave(S, 0)
         attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]).repeat_interleave(S, 0)
-        trainer.model.eval()
+        model.eval()
         with torch.no_grad():
-            out = trainer.model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=T,
+            out = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=T,
                                          top_k=0, top_p=1.0, max_new_tokens=cfg["max_new_tokens"],
                                          output_logits=True, return_dict_in_generate=True, pad_token_id=pad)
         logp = torch.stack(out.logits, 1).float().div(T).log_softmax(-1)              # [B, n, V]
@@ -168,18 +178,36 @@ def plain(argv: list[str], steps: int, warmup: int, threads: int | None = None) 
                                  finish_reason="stop" if n < len(reply) or reply[n - 1] == tok.eos_token_id
                                  else "length")
             reward = asyncio.run(env_cls().step(state)).reward
-            trajs.append({"tokens": prompt + reply[:n], "mask": [0] * len(prompt) + [1] * n,
-                          "logprobs": [0.0] * len(prompt) + lps[i, :n].tolist(),
-                          "versions": [-1] * len(prompt) + [trainer.version] * n, "reward": float(reward),
-                          "group": step * P + i // S, "rollout_id": i})
+            trajs.append({"tokens": prompt + reply[:n], "mask": [0] * len(prompt) + [1] * n, "reward": float(reward)})
         gen_s = time.perf_counter() - t_gen
-        m = trainer.train_step(trajs)
-        times.append({"step_s": time.perf_counter() - t_gen, "gen_s": gen_s, "train_s": m["train_s"],
-                      "reward": m.get("reward_mean", sum(t["reward"] for t in trajs) / len(trajs))})
+        plain_step(model, optimizer, trajs, S, T, pad, cfg["grad_clip"])
+        times.append({"step_s": time.perf_counter() - t_gen, "gen_s": gen_s, "train_s": time.perf_counter() - t_gen - gen_s,
+                      "reward": sum(t["reward"] for t in trajs) / len(trajs)})
     last = mem.cpu()
     peak, parts = mem.done()
     return {"setup_s": setup, "steps": times, "peak_gib": peak, "memory": parts,
             "cpu_per_step": cpu_per_step(cpu.get("first", {}), last, steps - warmup)}
+
+
+def plain_step(model, optimizer, trajs: list[dict], group: int, temperature: float, pad: int, clip: float):
+    """The baseline's fixed training step (TRL GRPOTrainer's defaults): advantages (r - group mean) / group std,
+    one forward and backward over the whole padded batch, ratio exp(lp - lp.detach()) (the old policy is this
+    forward's own), loss = -(ratio * A) over all the step's sampled tokens, clip, AdamW."""
+    import torch
+    width = max(len(t["tokens"]) for t in trajs)
+    ids = torch.tensor([t["tokens"] + [pad] * (width - len(t["tokens"])) for t in trajs])       # [B, T]
+    mask = torch.tensor([t["mask"] + [0] * (width - len(t["mask"])) for t in trajs])[:, 1:].float()
+    r = torch.tensor([t["reward"] for t in trajs]).view(-1, group)                              # [P, S]
+    adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1, 1)         # [B, 1]
+    model.train()
+    attn = torch.arange(width) < torch.tensor([len(t["tokens"]) for t in trajs])[:, None]
+    logits = model(input_ids=ids, attention_mask=attn.long()).logits[:, :-1]
+    lp = (logits.float() / temperature).log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]    # [B, T-1]
+    loss = -(torch.exp(lp - lp.detach()) * adv * mask).sum() / mask.sum().clamp(min=1)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def ours(argv: list[str], steps: int, warmup: int, out: Path) -> dict:
@@ -215,6 +243,7 @@ if __name__ == "__main__":
     ap.add_argument("--ours", choices=["sync", "async", "both"], default="both")
     ap.add_argument("--plain_once", action="store_true", help="skip the second plain run (drift check)")
     ap.add_argument("--plain_1thread", action="store_true", help="also run plain at one torch thread")
+    ap.add_argument("--lora", type=int, default=0, help="also run plain and ours with an adapter of this rank")
     ap.add_argument("--extra", default="", help="more main.py flags for ours, e.g. '--train_threads 2'")
     ap.add_argument("--part", help=argparse.SUPPRESS)  # one run in a fresh process, its JSON to this file
     args = ap.parse_args()
@@ -224,6 +253,7 @@ if __name__ == "__main__":
     if args.part:
         name, file = args.part.split(":", 1)
         extra = ["--async_depth", "1", "--partial_rollout"] if name == "ours async" else []
+        argv += ["--lora_rank", str(args.lora)] if name.endswith("lora") else []
         r = (plain(argv, args.steps, args.warmup, 1 if name == "plain 1 thread" else None) if name.startswith("plain")
              else ours([*argv, *extra, *shlex.split(args.extra)], args.steps, args.warmup, tmp / "run"))
         Path(file).write_text(json.dumps(r))
@@ -232,12 +262,12 @@ if __name__ == "__main__":
     # the ratios take plain's mean of the two; a large gap between them is printed as a warning
     names = (["plain"] + (["plain 1 thread"] if args.plain_1thread else [])
              + (["ours"] if args.ours != "async" else []) + (["ours async"] if args.ours != "sync" else [])
-             + ([] if args.plain_once else ["plain again"]))
+             + (["plain lora", "ours lora"] if args.lora else []) + ([] if args.plain_once else ["plain again"]))
     runs = {}
     for name in names:  # each in a process of its own: no memory or threads left over from the one before
         file = tmp / f"{name.replace(' ', '_')}.json"
         subprocess.run([sys.executable, __file__, "--workload", args.workload, "--steps", str(args.steps),
-                        "--warmup", str(args.warmup), "--extra", args.extra,
+                        "--warmup", str(args.warmup), "--extra", args.extra, "--lora", str(args.lora),
                         "--part", f"{name.removesuffix(' again')}:{file}"], check=True)
         runs[name] = json.loads(file.read_text())
     if "plain again" in runs:
@@ -269,6 +299,13 @@ if __name__ == "__main__":
         total = sum(r["cpu_per_step"].values())
         print(f"{name} CPU s/step by process: {r['cpu_per_step']}, total {total:.3f}: on {cores} cores a step "
               f"takes at least {total / cores:.3f} s = {total / cores / med(sb, 'step_s'):.2f} x plain's step")
+    if args.lora:   # the goals of issue 36: LoRA against full fine-tuning, and against plain with the same adapter
+        full, low, pl = (runs[k]["steps"][args.warmup:] for k in ("ours", "ours lora", "plain lora"))
+        print(f"ours lora / plain lora: step {med(low, 'step_s') / med(pl, 'step_s'):.2f}, train "
+              f"{med(low, 'train_s') / med(pl, 'train_s'):.2f} (goal <= 0.8); ours lora / ours: sync "
+              f"{med(low, 'sync_s') / med(full, 'sync_s'):.3f} (goal <= 0.1), peak memory "
+              f"{runs['ours lora']['peak_gib'] / runs['ours']['peak_gib']:.2f} (goal <= 0.7), train "
+              f"{med(low, 'train_s') / med(full, 'train_s'):.2f}")
     for name, a in runs.items():
         if name != "plain":
             sa = a["steps"][args.warmup:]

@@ -1,0 +1,119 @@
+"""LoRA (--lora_rank R > 0): peft adapters on the policy, served live by the engines.
+
+The trainer injects peft's LoRA layers into the --lora_targets of the policy before FSDP2 (`add_adapters`); only
+they train, and the optimizer holds only them. B starts at zero, so version 0 is the base model. The reference of
+a KL term is the same model with its adapters off (`BaseView`): no second copy. A weight update sends only the
+adapter tensors, in peft's names (`adapter_tensors`), through either --weight_sync path, in memory; the engine
+worker swaps them into vLLM's LoRA manager under the one adapter id every request carries (`load_into_engine`),
+so a request paused by partial rollout resumes on the new adapter. `export` writes the adapter in peft's format
+and the merged model. Checkpoints hold the adapter and its optimizer (checkpoint.py).
+
+    python -m pytest -q tests/test_lora.py
+"""
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTER_ID = 1                       # the engine's one adapter slot, replaced at every update
+ENGINE_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # vLLM's max_lora_rank choices
+
+
+def peft_config(cfg: dict) -> dict | None:
+    """The adapter's peft LoraConfig fields (also what vLLM's PEFTHelper reads), or None without LoRA."""
+    if not cfg.get("lora_rank"):
+        return None
+    return {"r": cfg["lora_rank"], "lora_alpha": cfg["lora_alpha"] or 2 * cfg["lora_rank"],
+            "target_modules": list(cfg["lora_targets"] or DEFAULT_TARGETS), "lora_dropout": 0.0, "bias": "none",
+            "exclude_modules": r".*visual.*"}   # a VLM: the adapter is on the language model only
+
+
+def add_adapters(model: torch.nn.Module, config: dict | None) -> torch.nn.Module:
+    """peft's LoRA layers in place (the model keeps its class and module paths); only they require grad.
+    The model as it is when `config` is None (no --lora_rank)."""
+    if config is None:
+        return model
+    import warnings
+
+    from peft import LoraConfig, inject_adapter_in_model
+    with warnings.catch_warnings():   # a text model has no vision tower to exclude: peft would say so
+        warnings.filterwarnings("ignore", "You have passed exclude_modules")
+        inject_adapter_in_model(LoraConfig(**config), model)
+    for name, p in model.named_parameters():
+        p.requires_grad_(".lora_" in name)
+    return model
+
+
+@contextlib.contextmanager
+def adapters_off(model: torch.nn.Module):
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for m in layers:
+        m.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.enable_adapters(True)   # also makes the adapters require grad again, as before
+
+
+class BaseView(torch.nn.Module):
+    """The policy with its adapters off: the reference model of a LoRA run, sharing the base weights."""
+
+    def __init__(self, policy: torch.nn.Module):
+        super().__init__()
+        self.policy = [policy]   # in a list: not a submodule (no parameters of its own)
+
+    @property
+    def model(self) -> torch.nn.Module:   # the policy's decoder: parallel.routing finds its (untouched) routers
+        return self.policy[0].model
+
+    def forward(self, **inputs):
+        with adapters_off(self.policy[0]):
+            return self.policy[0](**inputs)
+
+
+def adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full adapter tensors on CPU in peft's file names (base_model.model.<module>.lora_A.weight).
+    Every rank must call it (each sharded tensor is gathered)."""
+    out = {}
+    for name, p in model.named_parameters():
+        if ".lora_" in name:
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+            out["base_model.model." + name.replace(".default.", ".")] = full.detach().cpu().contiguous()
+    return out
+
+
+def engine_rank(r: int) -> int:
+    """vLLM's max_lora_rank for an adapter of rank r."""
+    return next(k for k in ENGINE_RANKS if k >= r)
+
+
+def load_into_engine(worker, tensors: dict[str, torch.Tensor], config: dict) -> list[str]:
+    """A vLLM worker's side: replace the adapter in slot ADAPTER_ID with these tensors (no file)."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+    manager = worker.model_runner.lora_manager
+    helper = PEFTHelper.from_dict(config)
+    helper.validate_legal(manager.lora_config)
+    adapter = LoRAModel.from_lora_tensors(ADAPTER_ID, {k: v.clone() for k, v in tensors.items()}, helper,
+                                          device="cpu", dtype=manager.lora_config.lora_dtype,
+                                          model_vocab_size=manager.vocab_size)
+    slots = manager._adapter_manager   # vLLM's LoRAModelManager: the public add_adapter would read a path
+    slots.remove_adapter(ADAPTER_ID)
+    slots.add_adapter(adapter)
+    slots.activate_adapter(ADAPTER_ID)
+    return []
+
+
+def export(base: torch.nn.Module, tensors: dict[str, torch.Tensor], config: dict, path: str) -> torch.nn.Module:
+    """Write the adapter in peft's format to PATH/adapter; return `base` with the adapter merged in."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    model = get_peft_model(base, LoraConfig(**config))
+    missing = set_peft_model_state_dict(model, tensors).unexpected_keys
+    if missing:
+        raise RuntimeError(f"LoRA export: {len(missing)} adapter tensors did not load, e.g. {missing[:3]}")
+    model.save_pretrained(str(Path(path) / "adapter"))
+    return model.merge_and_unload()
