@@ -147,6 +147,7 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
             out = await sample(generate, traj.tokens, traj.images,
                                {**params, "max_tokens": min(params["max_tokens"], budget)}, image_tokens)
             traj.add(out["token_ids"], True, out["logprobs"], out.get("versions", out["version"]))
+            traj.finish_reasons.append(out["finish_reason"])
             action = decode_reply(tokenizer, out["token_ids"])
             messages.append({"role": "assistant", "content": action})
             result = await call(env.step, State(prompt=row["prompt"], label=row.get("label"), action=action,

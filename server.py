@@ -550,6 +550,7 @@ class ChatSession:
         self.rendered = rendered + [{"role": "assistant", "content": sampled}]
         self.tools, self.reply_ids = req.tools, ids
         finish = "length" if cutoff else ("tool_calls" if calls else "stop")
+        self.segments[-1].finish_reasons.append(finish)
         shown = ids[:-1] if ids and ids[-1] in end_ids(self.tokenizer) else ids   # a final end-of-turn aside
         logprobs = None if req.top_logprobs is None else \
             _token_logprobs(self.tokenizer, shown, out["logprobs"], out.get("top_logprobs"))

@@ -39,6 +39,7 @@ class Trajectory:
     images: list[str] = field(default_factory=list)  # PNG data URIs, in the order of their pads in tokens
     turns: list[int] = field(default_factory=list)  # per token: its turn (k-th reply, prompt/observation before)
     turn_rewards: list[float] = field(default_factory=list)  # per turn: its reward (they sum to reward)
+    finish_reasons: list[str] = field(default_factory=list)  # per sampled turn: why it ended (stop, length, ...)
     states: list[str] | None = None  # per turn: the state it starts from (Result.state_key, else the observation)
     parent: int | None = None        # a branch: the rollout that trains the prefix it shares (--branches)
     branch_turn: int | None = None   # ... and the turn it branched at (its tokens before are not trained here)

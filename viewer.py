@@ -12,7 +12,7 @@ step_NNNNNN.html shows one step's rollouts as conversations whose sampled tokens
 advantage, sampling logprob, train/sample mismatch or policy version (hover: the values). A page
 carries its data as JSON and fills a rollout in when it is opened, so large steps stay fast. No
 network: the CSS and JS (assets/viewer.css, assets/viewer.js) are inlined.
-Optional fields, shown when present: `turn_rewards` (per turn), `turns` (each token's turn),
+Optional fields, shown when present: `turn_rewards` and `finish_reasons` (per turn), `turns` (each token's turn),
 `parent` (the rollout id a branch continues) and `branch_turn` (where; else the shared token prefix).
 """
 

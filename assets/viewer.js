@@ -79,7 +79,8 @@ function body(i) {  // a rollout's conversation: prompt, each sampled turn and o
     let label = j === 0 ? "prompt" : "observation";
     if (t.mask[j]) {
       const n = t.turns ? t.turns[j] : turn++;
-      label = `turn ${n + 1}` + (t.turn_rewards && t.turn_rewards[n] != null ? ` · reward ${fmt(t.turn_rewards[n])}` : "");
+      label = `turn ${n + 1}` + (t.turn_rewards && t.turn_rewards[n] != null ? ` · reward ${fmt(t.turn_rewards[n])}` : "")
+        + (t.finish_reasons && t.finish_reasons[n] ? ` · ${esc(t.finish_reasons[n])}` : "");
     }
     const spans = [];
     for (let m = j; m < k; m++) spans.push(token(t, m, DATA.texts, sc));

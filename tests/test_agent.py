@@ -166,6 +166,8 @@ def test_turns_and_turn_rewards_are_kept(tiny_tokenizer):
     engine, traj = run_branches(tiny_tokenizer, ["3", "5", "7"], max_turns=3)
     assert traj.turn_rewards == pytest.approx([-0.1, -0.1, 1.0]) and traj.reward == pytest.approx(0.8)
     assert traj.states == ["", "after 3", "1"]   # the Env's key, else the observation
+    cut = run_branches(tiny_tokenizer, ["3", tiny_tokenizer.encode("5", add_special_tokens=False), "7"], max_turns=3)[1]
+    assert cut.finish_reasons == ["stop", "length", "stop"]   # one per sampled turn (the viewer labels turns with them)
     assert len(traj.turns) == len(traj.tokens)
     # Each turn's tokens: the prompt or observation before it (what the engine was given last) and its reply.
     for turn, (prompt, out) in enumerate(engine.calls):

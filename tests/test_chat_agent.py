@@ -134,7 +134,7 @@ def test_chatml_openai_tool_calls_token_exact(server, loop):
             assert r2.usage.prompt_tokens == len(rec.calls[1][0])
         return server.close_session(s.id)
     segs = loop.run_until_complete(go())
-    assert len(segs) == 1
+    assert len(segs) == 1 and segs[0].finish_reasons == ["tool_calls", "stop"]   # as each reply said
     check_token_exact(segs, rec.calls)
     text = tok.decode(segs[0].tokens)
     # The template has no tool support: the tools are described in a system message, the

@@ -101,7 +101,7 @@ def run(tiny_model, tiny_tokenizer, tmp_path_factory) -> Path:
     step1 = [traj(tok, "3?7=", [("7", None)], 1.0, 0, 0), traj(tok, "3?7=", [("37", None)], 0.0, 0, 1),
              {"dropped": "error", "group": 1, "prompt": "1?2=", "detail": "Traceback ...\nRuntimeError: agent bug"}]
     two_turns = traj(tok, "4?9=", [("5", "<|end|><|user|>9?<|end|><|assistant|>"), ("9", None)], 1.0, 0, 0,
-                     turn_rewards=[0.0, 1.0])
+                     turn_rewards=[0.0, 1.0], finish_reasons=["stop", "length"])
     branch = traj(tok, "4?9=", [("5", "<|end|><|user|>9?<|end|><|assistant|>"), ("98", None)], 0.0, 0, 1,
                   turn_rewards=[0.0, 0.0], parent=0, branch_turn=1)   # its turn 2 starts as its parent's
     for t in (two_turns, branch):   # each token's turn: the k-th reply and the prompt/observation before it
@@ -179,7 +179,7 @@ def test_every_sampled_token_is_a_span_with_its_id_text_values_and_colour(chromi
 def test_turns_rewards_branches_and_dropped_rollouts_are_shown(chromium, run):
     dom = Dom(browse(chromium, run / "viewer" / "step_000001.html", "#open=all"))
     labels = [b["data-turn"] for b in dom.find("div", "blk") if b["class"] == "blk sampled"]
-    assert labels[:2] == ["turn 1 · reward 0.000", "turn 2 · reward +1.000"]
+    assert labels[:2] == ["turn 1 · reward 0.000 · stop", "turn 2 · reward +1.000 · length"]   # each turn its own
     assert labels[2] == "turn 2 · reward 0.000"   # the branch: only its own turn, under its parent
     rollouts = dom.find("details", "rollout")
     assert [int(d["data-i"]) for d in rollouts] == [0, 1, 2, 3]
