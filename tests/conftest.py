@@ -88,6 +88,28 @@ def loop():
     loop.close()
 
 
+@pytest.fixture(scope="module")
+def engine(tiny_model, loop):
+    """A real vLLM engine on the tiny model, for a module's tests (test files may define their own)."""
+    from generator import Generator
+
+    async def make():
+        return Generator(tiny_model, max_len=128, seed=0)
+    gen = loop.run_until_complete(make())
+    yield gen
+    gen.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(loop):
+    """The loopback chat server, started on the module's loop."""
+    from server import ChatServer
+    srv = ChatServer()
+    loop.run_until_complete(srv.start())
+    yield srv
+    loop.run_until_complete(srv.stop())
+
+
 def pytest_sessionfinish(session, exitstatus):
     session.config._molt_exitstatus = int(exitstatus)
 

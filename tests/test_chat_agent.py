@@ -23,30 +23,10 @@ import agent as agents
 from _smollm import smol_tokenizer
 from fakes import Recorder, check_token_exact, fake, ids
 from agent import ChatAgent, Result
-from server import ChatServer
 from trajectory import DropRollout
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "agents"
 SAMPLING = {"temperature": 1.0, "max_tokens": 4}
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model, loop):
-    from generator import Generator
-
-    async def make():
-        return Generator(tiny_model, max_len=128, seed=0)
-    gen = loop.run_until_complete(make())
-    yield gen
-    gen.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(loop):
-    srv = ChatServer()
-    loop.run_until_complete(srv.start())
-    yield srv
-    loop.run_until_complete(srv.stop())
 
 
 # ----------------------------------------------------------- stock SDKs, real vLLM engine

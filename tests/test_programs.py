@@ -17,31 +17,11 @@ import pytest
 
 import agent as agents
 from fakes import Recorder, check_token_exact, fake
-from server import ChatServer
 from trajectory import DropRollout
 
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAMS = ROOT / "examples" / "programs"
 SAMPLING = {"temperature": 1.0, "max_tokens": 4}
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model, loop):
-    from generator import Generator
-
-    async def make():
-        return Generator(tiny_model, max_len=128, seed=0)
-    gen = loop.run_until_complete(make())
-    yield gen
-    gen.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(loop):
-    srv = ChatServer()
-    loop.run_until_complete(srv.start())
-    yield srv
-    loop.run_until_complete(srv.stop())
 
 
 def rows(n: int, seed: int = 0) -> list[dict]:
