@@ -108,20 +108,23 @@ class Env(_Agent):
         return copy.deepcopy(self)
 
 
+BRANCH_GRACE = 1.0   # seconds a branch point's deadline keeps before its caller's, to hand back what finished
 Call = Callable[..., Awaitable[Any]]        # (fn, *args) -> what fn(*args) returns, run where agent code runs
 
 
 async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
                   sampling: dict, max_len: int, max_turns: int | None = None,
                   image_tokens=None, max_images: int | None = None, call: Call | None = None,
-                  branch_turns: tuple = (), branches: int = 1) -> Trajectory | list[Trajectory]:
+                  branch_turns: tuple = (), branches: int = 1,
+                  deadline: float | None = None) -> Trajectory | list[Trajectory]:
     """Run one episode of `env` on `row`; returns its token-exact trajectory. For a vision-language model
     `image_tokens` (vision.ImageTokens) places the row's images (row["images"]) and the observations'
     (Result.images); a trajectory shows at most `max_images` (the engine's per-request limit): an observation
     over it ends the episode. `call(fn, *args)` runs the env's own code (reset, step): the loop passes one that
     runs it on an agent thread (faults.AgentThreads), so a blocking step cannot freeze the loop.
     `branches` M > 1: forks (`Env.fork`) before each of `branch_turns` into M continuations; returns the leaves,
-    shared tokens trained in the first (the others' `parent`), failed ones left out (info["branches_dropped"])."""
+    shared tokens trained in the first (the others' `parent`), failed ones left out (info["branches_dropped"]), and so
+    are those still running at `deadline` (the loop's clock; a nested branch point's is BRANCH_GRACE s earlier)."""
     call = call or _call_here
     images = image_tokens.uris(row.get("images")) if image_tokens else _no_images(row.get("images"))
     messages = with_images(prompt_messages(row["prompt"]), images)
@@ -134,12 +137,12 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
         raise DropRollout("prompt_too_long", f"the prompt is {len(traj.tokens)} tokens, no room for a reply "
                           f"within --max_len {max_len}")
 
-    async def play(env: Env, traj: Trajectory, messages: list, params: dict, observation, first: int) -> list:
+    async def play(env: Env, traj: Trajectory, messages: list, params: dict, observation, first: int, until) -> list:
         for turn in range(first, turns):
             if turn in branch_turns and turn > first and branches > 1:
                 return await fork([(env, traj, messages, params, observation)] + [
                     (env.fork(), *copy.deepcopy((traj, messages, params, observation))) for _ in range(branches - 1)],
-                    turn, len(traj.tokens))
+                    turn, len(traj.tokens), until)
             budget = max_len - len(traj.tokens)
             if budget <= 0:
                 traj.info["truncated"] = 1.0
@@ -179,8 +182,14 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
         traj.info["turns"] = float(len(traj.turn_rewards))
         return [traj]
 
-    async def fork(episodes: list, turn: int, shared: int) -> list[Trajectory]:
-        done = await asyncio.gather(*[play(*e, turn) for e in episodes], return_exceptions=True)
+    async def fork(episodes: list, turn: int, shared: int, until: float | None) -> list[Trajectory]:
+        tasks = [asyncio.ensure_future(play(*e, turn, until and until - BRANCH_GRACE)) for e in episodes]
+        _, late = await asyncio.wait(tasks, timeout=until and max(until - asyncio.get_running_loop().time(), 0.0))
+        for t in late:   # a hanging branch: left out, the others kept
+            t.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
+        done = [DropRollout("timeout", "ran past --agent_timeout") if t in late else t.exception() or t.result()
+                for t in tasks]
         failed = [e for e in done if isinstance(e, BaseException)]
         if len(failed) == len(done):
             raise failed[0]
@@ -193,7 +202,7 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
                 t.parent, t.branch_turn = leaves[0], turn
         return leaves
 
-    leaves = await play(env, traj, messages, dict(sampling), None, 0)
+    leaves = await play(env, traj, messages, dict(sampling), None, 0, deadline and deadline - BRANCH_GRACE)
     if branches <= 1:
         return leaves[0]
     for i, t in enumerate(leaves):   # local ids (a parent comes before its branches); the pool offsets them
@@ -318,7 +327,8 @@ async def run_agent(cfg: dict, agent_cls: type, row: dict, generate, tokenizer, 
         run = run_env(agent_cls(), row, generate, tokenizer, sampling=sampling, max_len=cfg["max_len"],
                       max_turns=cfg["max_turns"], image_tokens=images, max_images=cfg["max_images_per_prompt"],
                       call=call, branch_turns=cfg.get("branch_turns") or (1,),
-                      branches=cfg.get("branches", 1) if branch else 1)
+                      branches=cfg.get("branches", 1) if branch else 1,
+                      deadline=asyncio.get_running_loop().time() + cfg["agent_timeout"])
     # a program times out by itself, then its process group is killed and its stderr shown: a grace for that
     limit = cfg["agent_timeout"] + 5.0 * issubclass(agent_cls, Program)
     try:

@@ -200,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kl_in_reward", action="store_true", help="subtract kl_coef * KL from the per-token reward")
     g.add_argument("--ref_model", default=None, help="reference/teacher model folder (default: the initial policy)")
     g.add_argument("--entropy_coef", type=float, default=0.0, help="entropy bonus weight")
-    g.add_argument("--reward_clip", type=float, default=None, help="clip rewards to [-c, c] before the estimator")
+    g.add_argument("--reward_clip", type=float, default=None, help="clip rewards (and each turn's reward) to [-c, c] before the "
+                   "estimator")
     g.add_argument("--critic_model", default=None, help="critic init for gae (default: the policy's weights)")
     g.add_argument("--critic_lr", type=float, default=None, help="critic learning rate (default: --lr)")
     g.add_argument("--value_clip", type=float, default=0.2, help="clip range of the critic's value loss (gae)")
