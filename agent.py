@@ -349,7 +349,10 @@ def load_agent(path: str) -> type:
 
 
 def agent_class(cfg: dict) -> type:
-    """The run's agent: a `Program` subclass running --agent_cmd, or the class defined in --agent."""
+    """The run's agent: a `Program` subclass running --agent_cmd, an `MCPAgent` (or the --agent subclass of it) with
+    the tools of --mcp_server, or the class defined in --agent."""
+    if cfg.get("mcp_server"):
+        return mcp_agent(load_agent(cfg["agent"]) if cfg["agent"] else MCPAgent, cfg["mcp_server"], cfg["max_turns"])
     return program(cfg["agent_cmd"], cfg["agent_timeout"]) if cfg.get("agent_cmd") is not None else load_agent(cfg["agent"])
 
 
@@ -455,3 +458,124 @@ class Program(ChatAgent):
         tail = err.tail.decode(errors="replace").strip()
         return DropRollout(reason, (f"{tail}\n" if tail else "") + f"--agent_cmd {shlex.join(self.argv)}: {what}"
                            + (" (its stderr's tail above)" if tail else ""))
+
+
+# ---------------------------------------------------------------- tools from MCP servers (--mcp_server)
+
+def mcp_agent(base: type, cmds: list[str], max_turns: int | None) -> type:
+    """`base` (MCPAgent or a subclass of it) with the servers `cmds` (each split as a shell would)."""
+    if not issubclass(base, MCPAgent):
+        raise ValueError(f"--mcp_server with --agent: {base.__name__} must subclass agent.MCPAgent (it runs the tools)")
+    if not all(servers := [shlex.split(c) for c in cmds]):
+        raise ValueError("--mcp_server is empty: give the command that starts an MCP server on stdio")
+    return type(base.__name__, (base,), {"servers": servers, "max_turns": max_turns or base.max_turns})
+
+
+def _leaf(e: BaseException) -> BaseException:
+    """What was raised inside an MCP client's task groups (anyio wraps it in one-exception groups)."""
+    while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
+        e = e.exceptions[0]
+    return e
+
+
+def _mcp_error(argv: list[str], err, e: BaseException | str) -> DropRollout:
+    err.seek(0)
+    tail = err.read()[-TAIL:].decode(errors="replace").strip()
+    what = e if isinstance(e, str) else getattr(e, "message", None) or str(e) or type(e).__name__
+    return DropRollout("mcp_server", (f"{tail}\n" if tail else "") + f"--mcp_server {shlex.join(argv)}: {what}")
+
+
+async def mcp_tools(servers: list[list[str]], stack: contextlib.AsyncExitStack, timeout: float | None = None) -> dict:
+    """Start each MCP server (stdio: its own process group, the run's environment and so its tag) on `stack`, which
+    ends it, and list its tools: {name: (argv, stderr file, client, OpenAI tool schema)}. A server that fails to
+    start within `timeout`: DropRollout("mcp_server") naming it, with its stderr's tail."""
+    import mcp
+    from mcp.client.stdio import stdio_client
+    tools = {}
+    for argv in servers:
+        err = stack.enter_context(tempfile.TemporaryFile())
+        params = mcp.StdioServerParameters(command=argv[0], args=argv[1:], env=dict(os.environ))
+        try:
+            async with asyncio.timeout(timeout):
+                client = await stack.enter_async_context(mcp.Client(stdio_client(params, errlog=err)))
+                page = await client.list_tools()
+                listed = list(page.tools)
+                while page.next_cursor:
+                    listed += (page := await client.list_tools(cursor=page.next_cursor)).tools
+        except Exception as e:
+            e = _leaf(e)
+            raise _mcp_error(argv, err, f"did not start within {timeout:g}s" if isinstance(e, TimeoutError) else e) from None
+        for t in listed:
+            if t.name in tools:
+                raise ValueError(f"--mcp_server: two servers have a tool named {t.name!r} ({shlex.join(argv)} "
+                                 f"and {shlex.join(tools[t.name][0])})")
+            tools[t.name] = (argv, err, client, {"type": "function", "function": {
+                "name": t.name, "description": t.description or "", "parameters": t.input_schema}})
+    return tools
+
+
+def check_mcp_servers(servers: list[list[str]], timeout: float) -> list[str]:
+    """Start each server once and list its tools (main.validate, before Ray): ValueError naming one that fails."""
+    async def listing():
+        async with contextlib.AsyncExitStack() as stack:
+            return list(await mcp_tools(servers, stack, timeout))
+    try:
+        return asyncio.run(listing())
+    except Exception as e:
+        raise ValueError(str(_leaf(e))) from None
+
+
+async def call_mcp_tool(tools: dict, name: str, arguments: str) -> tuple[str, bool]:
+    """Run one tool call; returns its result as text (the tool message's content) and whether it is an error.
+    A tool that raises is an error the model reads (MCP's isError); a server that is gone drops the rollout."""
+    if name not in tools:
+        return f"Unknown tool: {name}", True
+    argv, err, client, _ = tools[name]
+    try:
+        result = await client.call_tool(name, json.loads(arguments))
+    except Exception as e:
+        if getattr(e, "code", -32000) == -32000:   # mcp_types.CONNECTION_CLOSED (or not an MCP error)
+            raise _mcp_error(argv, err, _leaf(e)) from None
+        return f"Error: {e.message}", True   # the server refused the call (JSON-RPC error)
+    return "\n".join(getattr(b, "text", None) or f"[{b.type}]" for b in result.content), result.is_error
+
+
+class MCPAgent(ChatAgent):
+    """The agent of --mcp_server (docs/programs.md, "Tools from MCP servers"): each rollout starts its own MCP
+    servers (stdio), offers their tools with `tools=`, runs the model's calls through them and sends the results
+    back as `tool` messages, until a reply calls no tool or `max_turns` requests were made; its servers end with
+    it. Subclass it in an --agent file to give your own `reward`."""
+    servers: list[list[str]] = []
+    max_turns: int = 8
+
+    async def reward(self, answer: str | None, ctx: ChatContext) -> float:
+        """The final reply's reward (answer None: cut off, or still calling tools at the turn limit): a
+        reasoning-gym row's own scorer, else 1.0 when it is the label's text."""
+        if answer is None:
+            return 0.0
+        import data
+        return data.score_reasoning_gym(ctx.row, answer) if "entry" in ctx.row else float(
+            answer.strip() == str(ctx.label).strip())
+
+    async def run(self, ctx: ChatContext) -> Result:
+        import openai
+        calls = errors = 0
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                tools = await mcp_tools(self.servers, stack)
+                client = await stack.enter_async_context(openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key))
+                messages = list(ctx.messages)
+                for _ in range(self.max_turns):
+                    choice = (await client.chat.completions.create(
+                        model=ctx.model_name, messages=messages, tools=[t[3] for t in tools.values()])).choices[0]
+                    messages.append(choice.message.model_dump(exclude_none=True))
+                    for call in choice.message.tool_calls or []:
+                        text, failed = await call_mcp_tool(tools, call.function.name, call.function.arguments)
+                        messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
+                        calls, errors = calls + 1, errors + failed
+                    if not choice.message.tool_calls:
+                        break
+        except BaseExceptionGroup as group:
+            raise _leaf(group) from None
+        answer = choice.message.content if choice.finish_reason == "stop" else None
+        return Result(reward=await self.reward(answer, ctx), info={"tool_calls": calls, "tool_errors": errors})
