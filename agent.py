@@ -463,7 +463,7 @@ class Program(ChatAgent):
 # ---------------------------------------------------------------- tools from MCP servers (--mcp_server)
 
 def mcp_agent(base: type, cmds: list[str], max_turns: int | None) -> type:
-    """`base` (MCPAgent or a subclass of it) with the servers `cmds` (each split as a shell would)."""
+    """`base` (MCPAgent or the --agent subclass of it) with the MCP servers `cmds` (each split as a shell would)."""
     if not issubclass(base, MCPAgent):
         raise ValueError(f"--mcp_server with --agent: {base.__name__} must subclass agent.MCPAgent (it runs the tools)")
     if not all(servers := [shlex.split(c) for c in cmds]):
@@ -471,11 +471,8 @@ def mcp_agent(base: type, cmds: list[str], max_turns: int | None) -> type:
     return type(base.__name__, (base,), {"servers": servers, "max_turns": max_turns or base.max_turns})
 
 
-def _leaf(e: BaseException) -> BaseException:
-    """What was raised inside an MCP client's task groups (anyio wraps it in one-exception groups)."""
-    while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
-        e = e.exceptions[0]
-    return e
+def _leaf(e: BaseException) -> BaseException:   # what an MCP client's (anyio's) task groups wrapped in groups of one
+    return _leaf(e.exceptions[0]) if isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1 else e
 
 
 def _mcp_error(argv: list[str], err, e: BaseException | str) -> DropRollout:
@@ -486,9 +483,9 @@ def _mcp_error(argv: list[str], err, e: BaseException | str) -> DropRollout:
 
 
 async def mcp_tools(servers: list[list[str]], stack: contextlib.AsyncExitStack, timeout: float | None = None) -> dict:
-    """Start each MCP server (stdio: its own process group, the run's environment and so its tag) on `stack`, which
-    ends it, and list its tools: {name: (argv, stderr file, client, OpenAI tool schema)}. A server that fails to
-    start within `timeout`: DropRollout("mcp_server") naming it, with its stderr's tail."""
+    """Start each MCP server on `stack` (which ends it; stdio, its own process group, the run's environment and so
+    its tag) and list its tools: {name: (argv, stderr file, client, OpenAI tool schema)}. One that does not start
+    (within `timeout`): DropRollout("mcp_server") naming it, with its stderr's tail."""
     import mcp
     from mcp.client.stdio import stdio_client
     tools = {}
@@ -498,63 +495,59 @@ async def mcp_tools(servers: list[list[str]], stack: contextlib.AsyncExitStack, 
         try:
             async with asyncio.timeout(timeout):
                 client = await stack.enter_async_context(mcp.Client(stdio_client(params, errlog=err)))
-                page = await client.list_tools()
-                listed = list(page.tools)
-                while page.next_cursor:
-                    listed += (page := await client.list_tools(cursor=page.next_cursor)).tools
+                listed, cursor = [], None
+                while (page := await client.list_tools(cursor=cursor)) and (listed := listed + page.tools):
+                    if not (cursor := page.next_cursor):
+                        break
         except Exception as e:
             e = _leaf(e)
             raise _mcp_error(argv, err, f"did not start within {timeout:g}s" if isinstance(e, TimeoutError) else e) from None
         for t in listed:
             if t.name in tools:
-                raise ValueError(f"--mcp_server: two servers have a tool named {t.name!r} ({shlex.join(argv)} "
-                                 f"and {shlex.join(tools[t.name][0])})")
+                raise ValueError(f"--mcp_server: two servers have a tool named {t.name!r} ({shlex.join(argv)})")
             tools[t.name] = (argv, err, client, {"type": "function", "function": {
                 "name": t.name, "description": t.description or "", "parameters": t.input_schema}})
     return tools
 
 
-def check_mcp_servers(servers: list[list[str]], timeout: float) -> list[str]:
+def check_mcp_servers(servers: list[list[str]], timeout: float) -> None:
     """Start each server once and list its tools (main.validate, before Ray): ValueError naming one that fails."""
     async def listing():
         async with contextlib.AsyncExitStack() as stack:
-            return list(await mcp_tools(servers, stack, timeout))
+            await mcp_tools(servers, stack, timeout)
     try:
-        return asyncio.run(listing())
+        asyncio.run(listing())
     except Exception as e:
         raise ValueError(str(_leaf(e))) from None
 
 
 async def call_mcp_tool(tools: dict, name: str, arguments: str) -> tuple[str, bool]:
-    """Run one tool call; returns its result as text (the tool message's content) and whether it is an error.
-    A tool that raises is an error the model reads (MCP's isError); a server that is gone drops the rollout."""
+    """Run one tool call: its result as text (the tool message's content), and whether it is an error. A tool that
+    raises or a call the server refuses is an error the model reads (MCP's isError); a server gone drops the rollout."""
     if name not in tools:
         return f"Unknown tool: {name}", True
     argv, err, client, _ = tools[name]
     try:
         result = await client.call_tool(name, json.loads(arguments))
     except Exception as e:
-        if getattr(e, "code", -32000) == -32000:   # mcp_types.CONNECTION_CLOSED (or not an MCP error)
+        if getattr(e, "code", -32000) == -32000:   # mcp_types.CONNECTION_CLOSED, or not an MCP error
             raise _mcp_error(argv, err, _leaf(e)) from None
-        return f"Error: {e.message}", True   # the server refused the call (JSON-RPC error)
+        return f"Error: {e.message}", True
     return "\n".join(getattr(b, "text", None) or f"[{b.type}]" for b in result.content), result.is_error
 
 
 class MCPAgent(ChatAgent):
-    """The agent of --mcp_server (docs/programs.md, "Tools from MCP servers"): each rollout starts its own MCP
-    servers (stdio), offers their tools with `tools=`, runs the model's calls through them and sends the results
-    back as `tool` messages, until a reply calls no tool or `max_turns` requests were made; its servers end with
-    it. Subclass it in an --agent file to give your own `reward`."""
+    """The agent of --mcp_server (docs/programs.md, "Tools from MCP servers"): each rollout starts its own servers,
+    offers their tools (`tools=`), runs the model's calls on them and sends the results back as `tool` messages,
+    until a reply calls no tool or `max_turns` requests were made. Subclass it (--agent) for your own `reward`."""
     servers: list[list[str]] = []
     max_turns: int = 8
 
     async def reward(self, answer: str | None, ctx: ChatContext) -> float:
-        """The final reply's reward (answer None: cut off, or still calling tools at the turn limit): a
-        reasoning-gym row's own scorer, else 1.0 when it is the label's text."""
-        if answer is None:
-            return 0.0
+        """The final reply's reward (None: cut off, or still calling tools at the turn limit): a reasoning-gym row's
+        own scorer, else 1.0 for the label's text."""
         import data
-        return data.score_reasoning_gym(ctx.row, answer) if "entry" in ctx.row else float(
+        return 0.0 if answer is None else data.score_reasoning_gym(ctx.row, answer) if "entry" in ctx.row else float(
             answer.strip() == str(ctx.label).strip())
 
     async def run(self, ctx: ChatContext) -> Result:
