@@ -459,6 +459,7 @@ def validate(cfg: dict) -> dict:
     vlm = hasattr(model_cfg, "vision_config")
     if cfg["lora_rank"]:
         need(cfg["lora_rank"] <= lora.ENGINE_RANKS[-1], f"--lora_rank must be <= {lora.ENGINE_RANKS[-1]} (vLLM's largest)")
+        lora.check_targets(model_cfg, cfg["lora_targets"])
         need(cfg["tp_size"] == cfg["cp_size"] == cfg["ep_size"] == 1 and not moe, "--lora_rank trains with data "
              "parallelism (FSDP2, packing, offload, activation checkpointing) on dense models: --tp_size, --cp_size "
              "and --ep_size must be 1 (TP plans and CP attention name the plain projections peft wraps) and MoE is "
