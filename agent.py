@@ -29,6 +29,7 @@ conversation rewrites its prefix, and the segments share the rollout's reward.
 Or the agent is a program in any language (`--agent_cmd`, `Program`; docs/programs.md): each rollout runs it as
 a process that gets the server's URLs and the rollout's key in OPENAI_*/ANTHROPIC_* variables, the row as JSON on
 stdin, and prints its reward as a JSON object on the last line of stdout.
+Or its tools come from MCP servers (`--mcp_server`, `MCPAgent`): a built-in ChatAgent runs their calls.
 
 Agents are loaded with `agent_class(cfg)` (a `Program`, or the one class of `load_agent(path)`); prompts come from
 the agent's `prompts(seed)` or from a `--dataset` file (data.py).
@@ -484,8 +485,7 @@ def _mcp_error(argv: list[str], err, e: BaseException | str) -> DropRollout:
 
 async def mcp_tools(servers: list[list[str]], stack: contextlib.AsyncExitStack, timeout: float | None = None) -> dict:
     """Start each MCP server on `stack` (which ends it; stdio, its own process group, the run's environment and so
-    its tag) and list its tools: {name: (argv, stderr file, client, OpenAI tool schema)}. One that does not start
-    (within `timeout`): DropRollout("mcp_server") naming it, with its stderr's tail."""
+    its tag), list its tools: {name: (argv, stderr file, client, OpenAI tool schema)}; DropRollout names a failed one."""
     import mcp
     from mcp.client.stdio import stdio_client
     tools = {}
@@ -495,10 +495,9 @@ async def mcp_tools(servers: list[list[str]], stack: contextlib.AsyncExitStack, 
         try:
             async with asyncio.timeout(timeout):
                 client = await stack.enter_async_context(mcp.Client(stdio_client(params, errlog=err)))
-                listed, cursor = [], None
-                while (page := await client.list_tools(cursor=cursor)) and (listed := listed + page.tools):
-                    if not (cursor := page.next_cursor):
-                        break
+                listed = (page := await client.list_tools()).tools
+                while page.next_cursor:
+                    listed += (page := await client.list_tools(cursor=page.next_cursor)).tools
         except Exception as e:
             e = _leaf(e)
             raise _mcp_error(argv, err, f"did not start within {timeout:g}s" if isinstance(e, TimeoutError) else e) from None
@@ -544,8 +543,7 @@ class MCPAgent(ChatAgent):
     max_turns: int = 8
 
     async def reward(self, answer: str | None, ctx: ChatContext) -> float:
-        """The final reply's reward (None: cut off, or still calling tools at the turn limit): a reasoning-gym row's
-        own scorer, else 1.0 for the label's text."""
+        """The final reply's (None: cut off, or calling tools at the turn limit): a reasoning-gym row's scorer, or its label."""
         import data
         return 0.0 if answer is None else data.score_reasoning_gym(ctx.row, answer) if "entry" in ctx.row else float(
             answer.strip() == str(ctx.label).strip())

@@ -1,8 +1,4 @@
-"""A small MCP server (stdio) for tests and the example: integer add and multiply, and a tool that raises.
-
-    python main.py --mcp_server "python examples/mcp/calculator.py" --dataset FILE.jsonl --model PATH
-"""
-
+"""A small MCP server on stdio (tests/test_mcp.py, docs/programs.md): `--mcp_server "python examples/mcp/calculator.py"`."""
 from mcp.server.mcpserver import MCPServer
 
 server = MCPServer("calculator")
@@ -15,14 +11,8 @@ def add(a: int, b: int) -> int:
 
 
 @server.tool()
-def multiply(a: int, b: int) -> int:
-    """Multiply two integers."""
-    return a * b
-
-
-@server.tool()
 def divide(a: int, b: int) -> float:
-    """Divide a by b (raises on b = 0)."""
+    """Divide a by b (raises on b = 0: the model reads the tool's error)."""
     return a / b
 
 
