@@ -98,7 +98,7 @@ def test_a_tool_call_runs_on_the_server_and_its_result_comes_back_token_exactly(
 
 def test_the_turn_limit_and_a_wrong_answer_score_zero(server, loop):
     tok = smol_tokenizer()
-    rec = fake(tok, [call("add", a=1, b=1)] * 2)
+    rec = fake(tok, [call("add", a=1, b=1), "2" + call("add", a=1, b=1)])   # "2", but still calling at the limit
     segs = run(agents.mcp_agent(agents.MCPAgent, [CALC], 2), {"prompt": "1 + 1?", "label": "2"}, rec, tok, server, loop)
     assert len(rec.calls) == 2 and segs[0].reward == 0.0 and segs[0].info["tool_calls"] == 2
     rec = fake(tok, ["3"])
