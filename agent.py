@@ -350,11 +350,16 @@ def load_agent(path: str) -> type:
 
 
 def agent_class(cfg: dict) -> type:
-    """The run's agent: a `Program` subclass running --agent_cmd, an `MCPAgent` (or the --agent subclass of it) with
-    the tools of --mcp_server, or the class defined in --agent."""
-    if cfg.get("mcp_server"):
-        return mcp_agent(load_agent(cfg["agent"]) if cfg["agent"] else MCPAgent, cfg["mcp_server"], cfg["max_turns"])
-    return program(cfg["agent_cmd"], cfg["agent_timeout"]) if cfg.get("agent_cmd") is not None else load_agent(cfg["agent"])
+    """The run's agent: a `Program` subclass running --agent_cmd, the class defined in --agent, or an `MCPAgent` (or
+    the --agent subclass of it) with the servers of --mcp_server (each split as a shell would)."""
+    if not cfg.get("mcp_server"):
+        return program(cfg["agent_cmd"], cfg["agent_timeout"]) if cfg.get("agent_cmd") is not None else load_agent(cfg["agent"])
+    base = load_agent(cfg["agent"]) if cfg["agent"] else MCPAgent
+    if not issubclass(base, MCPAgent):
+        raise ValueError(f"--mcp_server with --agent: {base.__name__} must subclass agent.MCPAgent (it runs the tools)")
+    if not all(servers := [shlex.split(c) for c in cfg["mcp_server"]]):
+        raise ValueError("--mcp_server is empty: give the command that starts an MCP server on stdio")
+    return type(base.__name__, (base,), {"servers": servers, "max_turns": cfg["max_turns"] or base.max_turns})
 
 
 # ---------------------------------------------------------------- agents as programs (--agent_cmd)
@@ -462,15 +467,6 @@ class Program(ChatAgent):
 
 
 # ---------------------------------------------------------------- tools from MCP servers (--mcp_server)
-
-def mcp_agent(base: type, cmds: list[str], max_turns: int | None) -> type:
-    """`base` (MCPAgent or the --agent subclass of it) with the MCP servers `cmds` (each split as a shell would)."""
-    if not issubclass(base, MCPAgent):
-        raise ValueError(f"--mcp_server with --agent: {base.__name__} must subclass agent.MCPAgent (it runs the tools)")
-    if not all(servers := [shlex.split(c) for c in cmds]):
-        raise ValueError("--mcp_server is empty: give the command that starts an MCP server on stdio")
-    return type(base.__name__, (base,), {"servers": servers, "max_turns": max_turns or base.max_turns})
-
 
 def _leaf(e: BaseException) -> BaseException:   # what an MCP client's (anyio's) task groups wrapped in groups of one
     return _leaf(e.exceptions[0]) if isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1 else e

@@ -34,6 +34,10 @@ def run(cls, row, generate, tokenizer, server, loop, max_len=2048, sampling=SAMP
                                                          sampling=sampling, max_len=max_len))
 
 
+def mcp_agent(cmd: str = CALC, max_turns: int | None = None) -> type:
+    return agents.agent_class({"mcp_server": [cmd], "agent": None, "max_turns": max_turns})
+
+
 def servers() -> list[psutil.Process]:
     """This process's MCP servers now running."""
     return [p for p in psutil.Process().children(recursive=True) if "calculator.py" in " ".join(p.cmdline())]
@@ -80,7 +84,7 @@ def test_a_tool_call_runs_on_the_server_and_its_result_comes_back_token_exactly(
         seen.append([(p.pid, p.environ().get("MOLT_RUN_ID")) for p in servers()])
         return await rec(ids, sampling)
     rec = fake(tok, ["Let me add. " + call("add", a=2, b=40), call("divide", a=1, b=0), "42"])
-    cls = agents.mcp_agent(agents.MCPAgent, [CALC], None)
+    cls = mcp_agent()
     segs = run(cls, {"prompt": "What is 2 + 40?", "label": "42"}, look, tok, server, loop)
     calls = rec.calls
     assert len(calls) == 3 and len(segs) == 1 and segs[0].finish_reasons == ["tool_calls", "tool_calls", "stop"]
@@ -99,10 +103,10 @@ def test_a_tool_call_runs_on_the_server_and_its_result_comes_back_token_exactly(
 def test_the_turn_limit_and_a_wrong_answer_score_zero(server, loop):
     tok = smol_tokenizer()
     rec = fake(tok, [call("add", a=1, b=1), "2" + call("add", a=1, b=1)])   # "2", but still calling at the limit
-    segs = run(agents.mcp_agent(agents.MCPAgent, [CALC], 2), {"prompt": "1 + 1?", "label": "2"}, rec, tok, server, loop)
+    segs = run(mcp_agent(max_turns=2), {"prompt": "1 + 1?", "label": "2"}, rec, tok, server, loop)
     assert len(rec.calls) == 2 and segs[0].reward == 0.0 and segs[0].info["tool_calls"] == 2
     rec = fake(tok, ["3"])
-    segs = run(agents.mcp_agent(agents.MCPAgent, [CALC], 2), {"prompt": "1 + 1?", "label": "2"}, rec, tok, server, loop)
+    segs = run(mcp_agent(max_turns=2), {"prompt": "1 + 1?", "label": "2"}, rec, tok, server, loop)
     assert len(rec.calls) == 1 and segs[0].reward == 0.0 and segs[0].info["tool_calls"] == 0
 
 
@@ -112,7 +116,7 @@ def test_mcp_agent_on_the_real_engine_is_token_exact(engine, server, loop, tiny_
     tok = tiny_tokenizer
     rec = Recorder(engine.generate)
     row = {"prompt": "3?7=", "label": "7"}
-    segs = run(agents.mcp_agent(agents.MCPAgent, [CALC], None), row, rec, tok, server, loop, max_len=1024,
+    segs = run(mcp_agent(), row, rec, tok, server, loop, max_len=1024,
                sampling={"temperature": 1.0, "max_tokens": 4})
     assert len(rec.calls) == 1 and len(segs) == 1
     check_token_exact(segs, rec.calls)
@@ -129,7 +133,7 @@ def test_a_server_that_dies_drops_the_rollout_with_its_stderr(tmp_path, server, 
     dying = tmp_path / "dying.py"
     dying.write_text((ROOT / "examples" / "mcp" / "calculator.py").read_text().replace(
         "return a + b", "import os, sys; print('the server fell over', file=sys.stderr, flush=True); os._exit(3)"))
-    cls = agents.mcp_agent(agents.MCPAgent, [f"{sys.executable} {dying}"], None)
+    cls = mcp_agent(f"{sys.executable} {dying}")
     with pytest.raises(DropRollout) as e:
         run(cls, {"prompt": "1 + 1?", "label": "2"}, fake(tok, [call("add", a=1, b=1)]), tok, server, loop)
     assert e.value.reason == "mcp_server" and str(e.value).startswith("the server fell over\n")
@@ -144,7 +148,7 @@ def test_a_timed_out_rollout_ends_its_server(server, loop, tiny_model):
     async def stuck(ids, sampling):   # the server is up: the agent has listed its tools
         alive.extend(servers())
         await asyncio.sleep(600)
-    cls = agents.mcp_agent(agents.MCPAgent, [CALC], None)
+    cls = mcp_agent()
     cfg = {"model": tiny_model, "max_len": 2048, "agent_timeout": 5.0}
     with pytest.raises(DropRollout) as e:
         loop.run_until_complete(agents.run_agent(cfg, cls, {"prompt": "1?"}, stuck, tok, server, SAMPLING))
