@@ -29,6 +29,7 @@ conversation rewrites its prefix, and the segments share the rollout's reward.
 Or the agent is a program in any language (`--agent_cmd`, `Program`; docs/programs.md): each rollout runs it as
 a process that gets the server's URLs and the rollout's key in OPENAI_*/ANTHROPIC_* variables, the row as JSON on
 stdin, and prints its reward as a JSON object on the last line of stdout.
+Or its tools come from MCP servers (`--mcp_server`, `MCPAgent`): a built-in ChatAgent runs their calls.
 
 Agents are loaded with `agent_class(cfg)` (a `Program`, or the one class of `load_agent(path)`); prompts come from
 the agent's `prompts(seed)` or from a `--dataset` file (data.py).
@@ -359,8 +360,16 @@ def load_agent(path: str) -> type:
 
 
 def agent_class(cfg: dict) -> type:
-    """The run's agent: a `Program` subclass running --agent_cmd, or the class defined in --agent."""
-    return program(cfg["agent_cmd"], cfg["agent_timeout"]) if cfg.get("agent_cmd") is not None else load_agent(cfg["agent"])
+    """The run's agent: a `Program` subclass running --agent_cmd, the class defined in --agent, or an `MCPAgent` (or
+    the --agent subclass of it) with the servers of --mcp_server (each split as a shell would)."""
+    if not cfg.get("mcp_server"):
+        return program(cfg["agent_cmd"], cfg["agent_timeout"]) if cfg.get("agent_cmd") is not None else load_agent(cfg["agent"])
+    base = load_agent(cfg["agent"]) if cfg["agent"] else MCPAgent
+    if not issubclass(base, MCPAgent):
+        raise ValueError(f"--mcp_server with --agent: {base.__name__} must subclass agent.MCPAgent (it runs the tools)")
+    if not all(servers := [shlex.split(c) for c in cfg["mcp_server"]]):
+        raise ValueError("--mcp_server is empty: give the command that starts an MCP server on stdio")
+    return type(base.__name__, (base,), {"servers": servers, "max_turns": cfg["max_turns"] or base.max_turns})
 
 
 # ---------------------------------------------------------------- agents as programs (--agent_cmd)
@@ -465,3 +474,105 @@ class Program(ChatAgent):
         tail = err.tail.decode(errors="replace").strip()
         return DropRollout(reason, (f"{tail}\n" if tail else "") + f"--agent_cmd {shlex.join(self.argv)}: {what}"
                            + (" (its stderr's tail above)" if tail else ""))
+
+
+# ---------------------------------------------------------------- tools from MCP servers (--mcp_server)
+
+def _leaf(e: BaseException) -> BaseException:   # what an MCP client's (anyio's) task groups wrapped in groups of one
+    return _leaf(e.exceptions[0]) if isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1 else e
+
+
+def _mcp_error(argv: list[str], err, e: BaseException | str) -> DropRollout:
+    err.seek(0)
+    tail = err.read()[-TAIL:].decode(errors="replace").strip()
+    what = e if isinstance(e, str) else getattr(e, "message", None) or str(e) or type(e).__name__
+    return DropRollout("mcp_server", (f"{tail}\n" if tail else "") + f"--mcp_server {shlex.join(argv)}: {what}")
+
+
+async def mcp_tools(servers: list[list[str]], stack: contextlib.AsyncExitStack, timeout: float | None = None) -> dict:
+    """Start each MCP server on `stack` (which ends it; stdio, its own process group, the run's environment and so
+    its tag), list its tools: {name: (argv, stderr file, client, OpenAI tool schema)}; DropRollout names a failed one."""
+    import mcp
+    from mcp.client.stdio import stdio_client
+    tools = {}
+    for argv in servers:
+        err = stack.enter_context(tempfile.TemporaryFile())
+        params = mcp.StdioServerParameters(command=argv[0], args=argv[1:], env=dict(os.environ))
+        try:
+            async with asyncio.timeout(timeout):
+                client = await stack.enter_async_context(mcp.Client(stdio_client(params, errlog=err)))
+                listed = (page := await client.list_tools()).tools
+                while page.next_cursor:
+                    listed += (page := await client.list_tools(cursor=page.next_cursor)).tools
+        except Exception as e:
+            e = _leaf(e)
+            raise _mcp_error(argv, err, f"did not start within {timeout:g}s" if isinstance(e, TimeoutError) else e) from None
+        for t in listed:
+            if t.name in tools:
+                raise ValueError(f"--mcp_server: two servers have a tool named {t.name!r} ({shlex.join(argv)})")
+            tools[t.name] = (argv, err, client, {"type": "function", "function": {
+                "name": t.name, "description": t.description or "", "parameters": t.input_schema}})
+    return tools
+
+
+def check_mcp_servers(servers: list[list[str]], timeout: float) -> None:
+    """Start each server once and list its tools (main.validate, before Ray): ValueError naming one that fails."""
+    async def listing():
+        async with contextlib.AsyncExitStack() as stack:
+            await mcp_tools(servers, stack, timeout)
+    try:
+        asyncio.run(listing())
+    except Exception as e:
+        raise ValueError(str(_leaf(e))) from None
+
+
+async def call_mcp_tool(tools: dict, name: str, arguments: str) -> tuple[str, bool]:
+    """Run one tool call: its result as text (the tool message's content), and whether it is an error. A tool that
+    raises or a call the server refuses is an error the model reads (MCP's isError); a server gone drops the rollout."""
+    if name not in tools:
+        return f"Unknown tool: {name}", True
+    argv, err, client, _ = tools[name]
+    try:
+        result = await client.call_tool(name, json.loads(arguments))
+    except Exception as e:
+        if getattr(e, "code", -32000) == -32000:   # mcp_types.CONNECTION_CLOSED, or not an MCP error
+            raise _mcp_error(argv, err, _leaf(e)) from None
+        return f"Error: {e.message}", True
+    return "\n".join(getattr(b, "text", None) or f"[{b.type}]" for b in result.content), result.is_error
+
+
+class MCPAgent(ChatAgent):
+    """The agent of --mcp_server (docs/programs.md, "Tools from MCP servers"): each rollout starts its own servers,
+    offers their tools (`tools=`), runs the model's calls on them and sends the results back as `tool` messages,
+    until a reply calls no tool or `max_turns` requests were made. Subclass it (--agent) for your own `reward`."""
+    servers: list[list[str]] = []
+    max_turns: int = 8
+
+    async def reward(self, answer: str | None, ctx: ChatContext) -> float:
+        """The final reply's (None: cut off, or calling tools at the turn limit): a reasoning-gym row's scorer, or its label."""
+        import data
+        return 0.0 if answer is None else data.score_reasoning_gym(ctx.row, answer) if "entry" in ctx.row else float(
+            answer.strip() == str(ctx.label).strip())
+
+    async def run(self, ctx: ChatContext) -> Result:
+        import openai
+        calls = errors = 0
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                tools = await mcp_tools(self.servers, stack)
+                client = await stack.enter_async_context(openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key))
+                messages = list(ctx.messages)
+                for _ in range(self.max_turns):
+                    choice = (await client.chat.completions.create(
+                        model=ctx.model_name, messages=messages, tools=[t[3] for t in tools.values()])).choices[0]
+                    messages.append(choice.message.model_dump(exclude_none=True))
+                    for call in choice.message.tool_calls or []:
+                        text, failed = await call_mcp_tool(tools, call.function.name, call.function.arguments)
+                        messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
+                        calls, errors = calls + 1, errors + failed
+                    if not choice.message.tool_calls:
+                        break
+        except BaseExceptionGroup as group:
+            raise _leaf(group) from None
+        answer = choice.message.content if choice.finish_reason == "stop" else None
+        return Result(reward=await self.reward(answer, ctx), info={"tool_calls": calls, "tool_errors": errors})
