@@ -1,4 +1,4 @@
-"""Tools from MCP servers (--mcp_server): the project's calculator server (examples/mcp/calculator.py) run for real
+"""Tools from MCP servers (--mcp_server): the project's calculator server (tests/mcp_calculator.py) run for real
 over stdio, its tools offered through the chat server and its calls run by `agent.MCPAgent`.
 
 The tool round trip runs on SmolLM2's ChatML template (vLLM's hermes parser reads the call) with a fake engine that
@@ -21,7 +21,7 @@ from fakes import Recorder, check_token_exact, fake
 from trajectory import DropRollout
 
 ROOT = Path(__file__).resolve().parents[1]
-CALC = f"{sys.executable} {ROOT / 'examples' / 'mcp' / 'calculator.py'}"
+CALC = f"{sys.executable} {ROOT / 'tests' / 'mcp_calculator.py'}"
 SAMPLING = {"temperature": 1.0, "max_tokens": 64}
 
 
@@ -40,7 +40,7 @@ def mcp_agent(cmd: str = CALC, max_turns: int | None = None) -> type:
 
 def servers() -> list[psutil.Process]:
     """This process's MCP servers now running."""
-    return [p for p in psutil.Process().children(recursive=True) if "calculator.py" in " ".join(p.cmdline())]
+    return [p for p in psutil.Process().children(recursive=True) if "mcp_calculator.py" in " ".join(p.cmdline())]
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def test_mcp_agent_on_the_real_engine_is_token_exact(engine, server, loop, tiny_
 def test_a_server_that_dies_drops_the_rollout_with_its_stderr(tmp_path, server, loop):
     tok = smol_tokenizer()
     dying = tmp_path / "dying.py"
-    dying.write_text((ROOT / "examples" / "mcp" / "calculator.py").read_text().replace(
+    dying.write_text((ROOT / "tests" / "mcp_calculator.py").read_text().replace(
         "return a + b", "import os, sys; print('the server fell over', file=sys.stderr, flush=True); os._exit(3)"))
     cls = mcp_agent(f"{sys.executable} {dying}")
     with pytest.raises(DropRollout) as e:

@@ -1,4 +1,4 @@
-"""A small MCP server on stdio (tests/test_mcp.py, docs/programs.md): `--mcp_server "python examples/mcp/calculator.py"`."""
+"""A small MCP server on stdio (tests/test_mcp.py, docs/programs.md): `--mcp_server "python tests/mcp_calculator.py"`."""
 from mcp.server.mcpserver import MCPServer
 
 server = MCPServer("calculator")
