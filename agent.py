@@ -361,9 +361,8 @@ TAIL = 2000               # bytes of stderr shown when a program's rollout is dr
 
 
 def program(cmd: str, timeout: float, resources: dict | None = None) -> type:
-    """A `Program` class running `cmd` (split as a shell would; run without a shell) within `timeout` seconds, here
-    or (`resources`, --agent_resources) as a Ray task on a node that has them.
-    ValueError: an empty command, or one whose executable is not found."""
+    """A `Program` class running `cmd` (split as a shell would; run without a shell) within `timeout` seconds, here or
+    on a node with `resources`. ValueError: an empty command, or one whose executable is not found (here)."""
     argv = shlex.split(cmd)
     if not argv:
         raise ValueError("--agent_cmd is empty: give the command that runs one rollout")
@@ -421,10 +420,8 @@ async def run_process(argv: list[str], row: dict, env: dict, timeout: float) -> 
                     proc.stdin.close()
             await asyncio.wait_for(asyncio.gather(feed(), out.read(proc.stdout, total),
                                                   err.read(proc.stderr, total), proc.wait()), timeout)
-        except asyncio.TimeoutError:
-            failed = ("timeout", f"ran past --agent_timeout {timeout:g}s: killed")
-        except DropRollout as e:
-            failed = (e.reason, str(e))
+        except (asyncio.TimeoutError, DropRollout) as e:   # the caller drops the rollout, with the stderr's tail
+            failed = (e.reason, str(e)) if isinstance(e, DropRollout) else ("timeout", f"ran past --agent_timeout {timeout:g}s: killed")
         finally:   # the whole group, whatever it left running (a Ray task's too: ray.cancel raises in it)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -443,16 +440,15 @@ class Program(ChatAgent):
     resources: dict | None = None
 
     async def run(self, ctx: ChatContext) -> Result:
-        env = {"OPENAI_BASE_URL": ctx.base_url, "OPENAI_API_KEY": ctx.api_key,
-               "ANTHROPIC_BASE_URL": ctx.anthropic_base_url, "ANTHROPIC_API_KEY": ctx.api_key}
-        args = (self.argv, ctx.row, env, self.timeout)
+        args = (self.argv, ctx.row, {"OPENAI_BASE_URL": ctx.base_url, "OPENAI_API_KEY": ctx.api_key,   # over its env
+                "ANTHROPIC_BASE_URL": ctx.anthropic_base_url, "ANTHROPIC_API_KEY": ctx.api_key}, self.timeout)
         if not self.resources:
             out, err, failed = await run_process(*args)
         else:
             import ray
             amounts = dict(self.resources)   # as given: no CPU or GPU unless named
-            task = ray.remote(lambda *a: asyncio.run(run_process(*a))).options(num_cpus=amounts.pop("CPU", 0), num_gpus=amounts.pop("GPU", 0),
-                                               resources=amounts, max_retries=0).remote(*args)
+            task = ray.remote(lambda *a: asyncio.run(run_process(*a))).options(num_cpus=amounts.pop("CPU", 0),
+                num_gpus=amounts.pop("GPU", 0), resources=amounts, max_retries=0).remote(*args)
             try:
                 out, err, failed = await task
             finally:   # dropped or cancelled here: stop it there (not force: its group is killed first)
