@@ -204,7 +204,7 @@ def test_loop_on_three_nodes_places_and_trains_token_exactly(cluster, tiny_model
         assert len(tag) > 8, "the run's tag reached the program on its node"
 
 
-PROGRAM = """import json, os, sys, time, urllib.error, urllib.request
+PROGRAM = """import json, os, subprocess, sys, time, urllib.error, urllib.request
 row = json.loads(sys.stdin.readline())
 def ask(url, key):
     headers = {'Content-Type': 'application/json', **({'Authorization': 'Bearer ' + key} if key else {})}
@@ -216,8 +216,11 @@ def ask(url, key):
 url, key = os.environ['OPENAI_BASE_URL'], os.environ['OPENAI_API_KEY']
 refused = [ask(url, None), ask(url, row['other_key']), ask(row['other_url'], key)]
 node = open(f"/proc/{os.environ['RAY_RAYLET_PID']}/cmdline").read().replace('\\0', ' ')
-open(row['report'], 'w').write(json.dumps({'refused': refused, 'node': node, 'url': url, 'pid': os.getpid()}))
-if row.get('hang'):
+child = subprocess.Popen(['sleep', '600']).pid if row.get('hang') else None   # a process of its group
+open(row['report'] + '.tmp', 'w').write(json.dumps({'refused': refused, 'node': node, 'url': url,
+                                                    'pids': [os.getpid(), child]}))
+os.replace(row['report'] + '.tmp', row['report'])
+if child:
     time.sleep(600)
 print(json.dumps({'reward': float(ask(url, key)['choices'][0]['message']['content'] == '7')}))
 """
@@ -227,7 +230,7 @@ def test_a_program_on_another_node_trains_needs_its_key_and_ends_with_its_rollou
     """A program placed by --agent_resources runs on that node and reaches the server on the driver's
     address; its requests without its key, with another rollout's key, or to another rollout's URL get a 401
     and touch no trace; its one real request is trained token-exactly. A rollout cancelled on the driver
-    ends the program on its node (the Ray task is cancelled, its process group killed)."""
+    ends the program and its group on its node (the Ray task is cancelled: it kills the group)."""
     import ray
     from server import ChatServer
     root = Path(__file__).resolve().parents[1]   # the task's worker imports agent.py
@@ -264,7 +267,8 @@ def test_a_program_on_another_node_trains_needs_its_key_and_ends_with_its_rollou
             with contextlib.suppress(asyncio.CancelledError):
                 await run
         loop.run_until_complete(cancelled_while_it_runs(tmp_path / "hang.json"))
-        wait_gone(json.loads((tmp_path / "hang.json").read_text())["pid"], 30)
+        for pid in json.loads((tmp_path / "hang.json").read_text())["pids"]:
+            wait_gone(pid, 30)
     finally:
         loop.run_until_complete(server.stop())
         loop.close()
