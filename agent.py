@@ -29,6 +29,7 @@ conversation rewrites its prefix, and the segments share the rollout's reward.
 Or the agent is a program in any language (`--agent_cmd`, `Program`; docs/programs.md): each rollout runs it as
 a process that gets the server's URLs and the rollout's key in OPENAI_*/ANTHROPIC_* variables, the row as JSON on
 stdin, and prints its reward as a JSON object on the last line of stdout.
+Or its tools come from MCP servers (`--mcp_server`, `MCPAgent`): a built-in ChatAgent runs their calls.
 
 Agents are loaded with `agent_class(cfg)` (a `Program`, or the one class of `load_agent(path)`); prompts come from
 the agent's `prompts(seed)` or from a `--dataset` file (data.py).
@@ -108,20 +109,23 @@ class Env(_Agent):
         return copy.deepcopy(self)
 
 
+BRANCH_GRACE = 1.0   # seconds a branch point's deadline keeps before its caller's, to hand back what finished
 Call = Callable[..., Awaitable[Any]]        # (fn, *args) -> what fn(*args) returns, run where agent code runs
 
 
 async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
                   sampling: dict, max_len: int, max_turns: int | None = None,
                   image_tokens=None, max_images: int | None = None, call: Call | None = None,
-                  branch_turns: tuple = (), branches: int = 1) -> Trajectory | list[Trajectory]:
+                  branch_turns: tuple = (), branches: int = 1,
+                  deadline: float | None = None) -> Trajectory | list[Trajectory]:
     """Run one episode of `env` on `row`; returns its token-exact trajectory. For a vision-language model
     `image_tokens` (vision.ImageTokens) places the row's images (row["images"]) and the observations'
     (Result.images); a trajectory shows at most `max_images` (the engine's per-request limit): an observation
     over it ends the episode. `call(fn, *args)` runs the env's own code (reset, step): the loop passes one that
     runs it on an agent thread (faults.AgentThreads), so a blocking step cannot freeze the loop.
     `branches` M > 1: forks (`Env.fork`) before each of `branch_turns` into M continuations; returns the leaves,
-    shared tokens trained in the first (the others' `parent`), failed ones left out (info["branches_dropped"])."""
+    shared tokens trained in the first (the others' `parent`), failed ones left out (info["branches_dropped"]), and so
+    are those still running at `deadline` (the loop's clock; a nested branch point's is BRANCH_GRACE s earlier)."""
     call = call or _call_here
     images = image_tokens.uris(row.get("images")) if image_tokens else _no_images(row.get("images"))
     messages = with_images(prompt_messages(row["prompt"]), images)
@@ -134,12 +138,12 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
         raise DropRollout("prompt_too_long", f"the prompt is {len(traj.tokens)} tokens, no room for a reply "
                           f"within --max_len {max_len}")
 
-    async def play(env: Env, traj: Trajectory, messages: list, params: dict, observation, first: int) -> list:
+    async def play(env: Env, traj: Trajectory, messages: list, params: dict, observation, first: int, until) -> list:
         for turn in range(first, turns):
             if turn in branch_turns and turn > first and branches > 1:
                 return await fork([(env, traj, messages, params, observation)] + [
                     (env.fork(), *copy.deepcopy((traj, messages, params, observation))) for _ in range(branches - 1)],
-                    turn, len(traj.tokens))
+                    turn, len(traj.tokens), until)
             budget = max_len - len(traj.tokens)
             if budget <= 0:
                 traj.info["truncated"] = 1.0
@@ -179,8 +183,14 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
         traj.info["turns"] = float(len(traj.turn_rewards))
         return [traj]
 
-    async def fork(episodes: list, turn: int, shared: int) -> list[Trajectory]:
-        done = await asyncio.gather(*[play(*e, turn) for e in episodes], return_exceptions=True)
+    async def fork(episodes: list, turn: int, shared: int, until: float | None) -> list[Trajectory]:
+        tasks = [asyncio.ensure_future(play(*e, turn, until and until - BRANCH_GRACE)) for e in episodes]
+        _, late = await asyncio.wait(tasks, timeout=until and max(until - asyncio.get_running_loop().time(), 0.0))
+        for t in late:   # a hanging branch: left out, the others kept
+            t.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
+        done = [DropRollout("timeout", "ran past --agent_timeout") if t in late else t.exception() or t.result()
+                for t in tasks]
         failed = [e for e in done if isinstance(e, BaseException)]
         if len(failed) == len(done):
             raise failed[0]
@@ -193,7 +203,7 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
                 t.parent, t.branch_turn = leaves[0], turn
         return leaves
 
-    leaves = await play(env, traj, messages, dict(sampling), None, 0)
+    leaves = await play(env, traj, messages, dict(sampling), None, 0, deadline and deadline - BRANCH_GRACE)
     if branches <= 1:
         return leaves[0]
     for i, t in enumerate(leaves):   # local ids (a parent comes before its branches); the pool offsets them
@@ -318,7 +328,8 @@ async def run_agent(cfg: dict, agent_cls: type, row: dict, generate, tokenizer, 
         run = run_env(agent_cls(), row, generate, tokenizer, sampling=sampling, max_len=cfg["max_len"],
                       max_turns=cfg["max_turns"], image_tokens=images, max_images=cfg["max_images_per_prompt"],
                       call=call, branch_turns=cfg.get("branch_turns") or (1,),
-                      branches=cfg.get("branches", 1) if branch else 1)
+                      branches=cfg.get("branches", 1) if branch else 1,
+                      deadline=asyncio.get_running_loop().time() + cfg["agent_timeout"])
     # a program times out by itself, then its process group is killed and its stderr shown: a grace for that
     limit = cfg["agent_timeout"] + 5.0 * issubclass(agent_cls, Program)
     try:
@@ -349,9 +360,17 @@ def load_agent(path: str) -> type:
 
 
 def agent_class(cfg: dict) -> type:
-    """The run's agent: a `Program` subclass running --agent_cmd, or the class defined in --agent."""
-    return (program(cfg["agent_cmd"], cfg["agent_timeout"], cfg.get("agent_resources"))
-            if cfg.get("agent_cmd") is not None else load_agent(cfg["agent"]))
+    """The run's agent: a `Program` subclass running --agent_cmd, the class defined in --agent, or an `MCPAgent` (or
+    the --agent subclass of it) with the servers of --mcp_server (each split as a shell would)."""
+    if not cfg.get("mcp_server"):
+        return (program(cfg["agent_cmd"], cfg["agent_timeout"], cfg.get("agent_resources"))
+                if cfg.get("agent_cmd") is not None else load_agent(cfg["agent"]))
+    base = load_agent(cfg["agent"]) if cfg["agent"] else MCPAgent
+    if not issubclass(base, MCPAgent):
+        raise ValueError(f"--mcp_server with --agent: {base.__name__} must subclass agent.MCPAgent (it runs the tools)")
+    if not all(servers := [shlex.split(c) for c in cfg["mcp_server"]]):
+        raise ValueError("--mcp_server is empty: give the command that starts an MCP server on stdio")
+    return type(base.__name__, (base,), {"servers": servers, "max_turns": cfg["max_turns"] or base.max_turns})
 
 
 # ---------------------------------------------------------------- agents as programs (--agent_cmd)
@@ -473,3 +492,105 @@ class Program(ChatAgent):
         tail = err.tail.decode(errors="replace").strip()
         return DropRollout(reason, (f"{tail}\n" if tail else "") + f"--agent_cmd {shlex.join(self.argv)}: {what}"
                            + (" (its stderr's tail above)" if tail else ""))
+
+
+# ---------------------------------------------------------------- tools from MCP servers (--mcp_server)
+
+def _leaf(e: BaseException) -> BaseException:   # what an MCP client's (anyio's) task groups wrapped in groups of one
+    return _leaf(e.exceptions[0]) if isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1 else e
+
+
+def _mcp_error(argv: list[str], err, e: BaseException | str) -> DropRollout:
+    err.seek(0)
+    tail = err.read()[-TAIL:].decode(errors="replace").strip()
+    what = e if isinstance(e, str) else getattr(e, "message", None) or str(e) or type(e).__name__
+    return DropRollout("mcp_server", (f"{tail}\n" if tail else "") + f"--mcp_server {shlex.join(argv)}: {what}")
+
+
+async def mcp_tools(servers: list[list[str]], stack: contextlib.AsyncExitStack, timeout: float | None = None) -> dict:
+    """Start each MCP server on `stack` (which ends it; stdio, its own process group, the run's environment and so
+    its tag), list its tools: {name: (argv, stderr file, client, OpenAI tool schema)}; DropRollout names a failed one."""
+    import mcp
+    from mcp.client.stdio import stdio_client
+    tools = {}
+    for argv in servers:
+        err = stack.enter_context(tempfile.TemporaryFile())
+        params = mcp.StdioServerParameters(command=argv[0], args=argv[1:], env=dict(os.environ))
+        try:
+            async with asyncio.timeout(timeout):
+                client = await stack.enter_async_context(mcp.Client(stdio_client(params, errlog=err)))
+                listed = (page := await client.list_tools()).tools
+                while page.next_cursor:
+                    listed += (page := await client.list_tools(cursor=page.next_cursor)).tools
+        except Exception as e:
+            e = _leaf(e)
+            raise _mcp_error(argv, err, f"did not start within {timeout:g}s" if isinstance(e, TimeoutError) else e) from None
+        for t in listed:
+            if t.name in tools:
+                raise ValueError(f"--mcp_server: two servers have a tool named {t.name!r} ({shlex.join(argv)})")
+            tools[t.name] = (argv, err, client, {"type": "function", "function": {
+                "name": t.name, "description": t.description or "", "parameters": t.input_schema}})
+    return tools
+
+
+def check_mcp_servers(servers: list[list[str]], timeout: float) -> None:
+    """Start each server once and list its tools (main.validate, before Ray): ValueError naming one that fails."""
+    async def listing():
+        async with contextlib.AsyncExitStack() as stack:
+            await mcp_tools(servers, stack, timeout)
+    try:
+        asyncio.run(listing())
+    except Exception as e:
+        raise ValueError(str(_leaf(e))) from None
+
+
+async def call_mcp_tool(tools: dict, name: str, arguments: str) -> tuple[str, bool]:
+    """Run one tool call: its result as text (the tool message's content), and whether it is an error. A tool that
+    raises or a call the server refuses is an error the model reads (MCP's isError); a server gone drops the rollout."""
+    if name not in tools:
+        return f"Unknown tool: {name}", True
+    argv, err, client, _ = tools[name]
+    try:
+        result = await client.call_tool(name, json.loads(arguments))
+    except Exception as e:
+        if getattr(e, "code", -32000) == -32000:   # mcp_types.CONNECTION_CLOSED, or not an MCP error
+            raise _mcp_error(argv, err, _leaf(e)) from None
+        return f"Error: {e.message}", True
+    return "\n".join(getattr(b, "text", None) or f"[{b.type}]" for b in result.content), result.is_error
+
+
+class MCPAgent(ChatAgent):
+    """The agent of --mcp_server (docs/programs.md, "Tools from MCP servers"): each rollout starts its own servers,
+    offers their tools (`tools=`), runs the model's calls on them and sends the results back as `tool` messages,
+    until a reply calls no tool or `max_turns` requests were made. Subclass it (--agent) for your own `reward`."""
+    servers: list[list[str]] = []
+    max_turns: int = 8
+
+    async def reward(self, answer: str | None, ctx: ChatContext) -> float:
+        """The final reply's (None: cut off, or calling tools at the turn limit): a reasoning-gym row's scorer, or its label."""
+        import data
+        return 0.0 if answer is None else data.score_reasoning_gym(ctx.row, answer) if "entry" in ctx.row else float(
+            answer.strip() == str(ctx.label).strip())
+
+    async def run(self, ctx: ChatContext) -> Result:
+        import openai
+        calls = errors = 0
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                tools = await mcp_tools(self.servers, stack)
+                client = await stack.enter_async_context(openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key))
+                messages = list(ctx.messages)
+                for _ in range(self.max_turns):
+                    choice = (await client.chat.completions.create(
+                        model=ctx.model_name, messages=messages, tools=[t[3] for t in tools.values()])).choices[0]
+                    messages.append(choice.message.model_dump(exclude_none=True))
+                    for call in choice.message.tool_calls or []:
+                        text, failed = await call_mcp_tool(tools, call.function.name, call.function.arguments)
+                        messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
+                        calls, errors = calls + 1, errors + failed
+                    if not choice.message.tool_calls:
+                        break
+        except BaseExceptionGroup as group:
+            raise _leaf(group) from None
+        answer = choice.message.content if choice.finish_reason == "stop" else None
+        return Result(reward=await self.reward(answer, ctx), info={"tool_calls": calls, "tool_errors": errors})

@@ -30,6 +30,20 @@ def peft_config(cfg: dict) -> dict | None:
             "exclude_modules": r".*visual.*"}   # a VLM: the adapter is on the language model only
 
 
+def check_targets(model_cfg, targets: list[str] | None) -> None:
+    """ValueError unless each of --lora_targets names a linear layer of the decoder (what both peft and vLLM's LoRA
+    wrap; not lm_head, embeddings or a vision tower), checked on a weightless copy of the model before Ray starts."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    with torch.device("meta"):
+        vlm = hasattr(model_cfg, "vision_config")
+        model = (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_config(model_cfg)
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+             if isinstance(m, torch.nn.Linear) and ".layers." in n and "visual" not in n}
+    if bad := sorted(set(targets or DEFAULT_TARGETS) - names):
+        raise ValueError(f"--lora_targets {' '.join(bad)}: not a linear layer of this model's decoder; "
+                         f"choose from {' '.join(sorted(names))}")
+
+
 def add_adapters(model: torch.nn.Module, config: dict | None) -> torch.nn.Module:
     """peft's LoRA layers in place (the model keeps its class and module paths); only they require grad.
     The model as it is when `config` is None (no --lora_rank)."""

@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "language (instead of --agent; needs --dataset): the server's URLs and the rollout's key in "
                    "OPENAI_BASE_URL/OPENAI_API_KEY/ANTHROPIC_BASE_URL/ANTHROPIC_API_KEY, the row as JSON on stdin, "
                    'the reward as {"reward": R} on the last line of stdout (docs/programs.md)')
+    g.add_argument("--mcp_server", action="append", default=None, metavar='"CMD ARGS"', help="an MCP server (stdio) "
+                   "whose tools the run's agent offers and calls (repeatable; started per rollout; needs --dataset; "
+                   "--agent may name a subclass of agent.MCPAgent for its reward; docs/programs.md)")
     g.add_argument("--tool_parser", default="hermes", help="vLLM's tool-call parser of the policy's format (as its "
                    "--tool-call-parser: hermes for <tool_call>{json}</tool_call>, llama3_json, mistral, qwen3_xml, ...)")
     g.add_argument("--reasoning_parser", default=None, help="vLLM's reasoning parser (deepseek_r1, qwen3, ...): "
@@ -107,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--samples_per_prompt", type=int, default=16, help="rollouts per prompt (the group size)")
     g.add_argument("--max_new_tokens", type=int, default=3, help="max sampled tokens per turn")
     g.add_argument("--max_len", type=int, default=256, help="max tokens of a whole trajectory (prompt + all turns)")
-    g.add_argument("--max_turns", type=int, default=None, help="turn limit of an Env episode (default: the Env's max_turns; a ChatAgent runs its own loop)")
+    g.add_argument("--max_turns", type=int, default=None, help="turn limit of an Env episode (default: the Env's max_turns; a ChatAgent runs its own loop), or model requests of an --mcp_server rollout (default 8)")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (trainer logprobs use the same)")
     g.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling (1.0 = off; < 1 only with --is_level off: "
                    "the engine's logprobs are then of the truncated distribution, the trainer's of the full one)")
@@ -200,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kl_in_reward", action="store_true", help="subtract kl_coef * KL from the per-token reward")
     g.add_argument("--ref_model", default=None, help="reference/teacher model folder (default: the initial policy)")
     g.add_argument("--entropy_coef", type=float, default=0.0, help="entropy bonus weight")
-    g.add_argument("--reward_clip", type=float, default=None, help="clip rewards to [-c, c] before the estimator")
+    g.add_argument("--reward_clip", type=float, default=None, help="clip rewards (and each turn's reward) to [-c, c] before the "
+                   "estimator")
     g.add_argument("--critic_model", default=None, help="critic init for gae (default: the policy's weights)")
     g.add_argument("--critic_lr", type=float, default=None, help="critic learning rate (default: --lr)")
     g.add_argument("--value_clip", type=float, default=0.2, help="clip range of the critic's value loss (gae)")
@@ -304,7 +308,7 @@ def validate(cfg: dict) -> dict:
     for k in ("steps", "prompts_per_step", "samples_per_prompt", "max_new_tokens", "max_len", "micro_batch_size",
               "mini_batches", "ppo_epochs", "train_workers", "tp_size", "cp_size", "ep_size", "num_engines",
               "engine_tp_size", "engine_dp_size", "spec_tokens", "sync_bucket_mb", "engine_max_seqs",
-              "branches", "train_threads", "engine_threads"):   # the last two: None for a default said at start-up
+              "branches", "max_turns", "train_threads", "engine_threads"):   # the last two: None for a default said at start-up
         need(cfg[k] is None or cfg[k] >= 1, f"--{k} must be >= 1, got {cfg[k]}")
     for k in ("async_depth", "lora_rank"):
         need(cfg[k] >= 0, f"--{k} must be >= 0, got {cfg[k]}")
@@ -460,6 +464,7 @@ def validate(cfg: dict) -> dict:
     vlm = hasattr(model_cfg, "vision_config")
     if cfg["lora_rank"]:
         need(cfg["lora_rank"] <= lora.ENGINE_RANKS[-1], f"--lora_rank must be <= {lora.ENGINE_RANKS[-1]} (vLLM's largest)")
+        lora.check_targets(model_cfg, cfg["lora_targets"])
         need(cfg["tp_size"] == cfg["cp_size"] == cfg["ep_size"] == 1 and not moe, "--lora_rank trains with data "
              "parallelism (FSDP2, packing, offload, activation checkpointing) on dense models: --tp_size, --cp_size "
              "and --ep_size must be 1 (TP plans and CP attention name the plain projections peft wraps) and MoE is "
@@ -488,9 +493,11 @@ def validate(cfg: dict) -> dict:
     need(not (cfg["agent"] and cfg["agent_cmd"] is not None), "--agent and --agent_cmd are two agents: choose one")
     need(cfg["agent_cmd"] is not None or not cfg["agent_resources"], "--agent_resources places --agent_cmd programs: "
          "pass --agent_cmd (an --agent runs in the driver)")
-    cfg["agent"] = None if cfg["agent_cmd"] is not None else cfg["agent"] or DEFAULT_AGENT
+    need(not (cfg["mcp_server"] and cfg["agent_cmd"] is not None), "--mcp_server gives tools to the built-in MCP "
+         "agent; a program (--agent_cmd) runs its own MCP servers: choose one")
+    cfg["agent"] = None if cfg["agent_cmd"] is not None else cfg["agent"] or (None if cfg["mcp_server"] else DEFAULT_AGENT)
     need(cfg["agent"] or cfg["eval_dataset"] or not (cfg["eval_every"] or cfg["eval_only"]),
-         "--agent_cmd has no built-in prompts: evaluating it needs --eval_dataset")
+         "--agent_cmd and --mcp_server have no built-in prompts: evaluating them needs --eval_dataset")
     need(cfg["agent"] is None or Path(cfg["agent"]).is_file(), f"--agent {cfg['agent']}: no such file")
     # data and logging
     data.check_dataset(cfg)  # reads and checks every row: one error naming file, line/row and field
@@ -507,6 +514,8 @@ def validate(cfg: dict) -> dict:
          "render prompts with it (add one to tokenizer_config.json or chat_template.jinja)")
     import agent as agents
     agent_cls = agents.agent_class(cfg)
+    if cfg["mcp_server"]:   # started once and their tools listed, here: one that cannot start is named before Ray
+        agents.check_mcp_servers(agent_cls.servers, cfg["agent_timeout"])
     need(cfg["branches"] == 1 or issubclass(agent_cls, agents.Env), f"--branches {cfg['branches']}: "
          f"{agent_cls.__name__} is not an Env; only an Env's state is the framework's to copy (a ChatAgent or a "
          "program runs its own loop), so it cannot branch: drop --branches")

@@ -281,9 +281,9 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         t0 = time.perf_counter()
         cfg = self.cfg
         batch = batches.collate(trajectories, self.pad_id, self.dims.cp)
+        if (c := cfg["reward_clip"]) is not None:   # each turn's too: the per-turn estimators read those
+            batch.update({k: batch[k].clamp(-c, c) for k in ("rewards", "turn_rewards") if k in batch})
         mask, rewards = batch["mask"], batch["rewards"]
-        if cfg["reward_clip"] is not None:
-            rewards = rewards.clamp(-cfg["reward_clip"], cfg["reward_clip"])
         B = mask.shape[0]
         n_mini = min(cfg["mini_batches"], B)  # after drops a batch can be smaller: fewer steps (metric mini_batches)
         if cfg.get("routing_replay") and "routing" not in batch:

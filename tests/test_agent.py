@@ -151,6 +151,8 @@ class Forks(Guess):
     async def step(self, state):
         if state.action == "4":
             raise RuntimeError("this branch fails")
+        if state.action == "2":
+            await asyncio.sleep(3600)   # this branch hangs
         result = await super().step(state)
         result.state_key = f"after {state.action}" if state.turn == 0 else None
         return result
@@ -200,6 +202,23 @@ def test_a_failed_branch_is_left_out_and_another_trains_the_prefix(tiny_tokenize
     assert sum(leaves[0].mask) == 2 * 2   # "3" and "7", each with its end of turn
     with pytest.raises(RuntimeError, match="this branch fails"):
         run_branches(tiny_tokenizer, ["3", "4", "4"], branch_turns=(1,), branches=2)
+
+
+def test_a_hanging_branch_is_left_out_at_the_deadline_and_the_others_kept(tiny_tokenizer, tiny_model):
+    import time
+    start = time.monotonic()   # the event loop's clock
+    _, leaves = run_branches(tiny_tokenizer, ["3", "2", "7", "5"], branch_turns=(1,), branches=3,
+                             deadline=start + 1.0 + agents.BRANCH_GRACE)
+    assert len(leaves) == 2 and leaves[0].parent is None
+    assert all(t.info["branches_dropped"] == 1.0 for t in leaves)
+    assert time.monotonic() - start < 60   # not the hour the hanging branch would take
+    cfg = {"model": tiny_model, "max_len": 64, "max_turns": None, "max_images_per_prompt": None,
+           "agent_timeout": 1.0 + agents.BRANCH_GRACE, "branch_turns": [1], "branches": 3}
+    leaves = asyncio.run(agents.run_agent(cfg, Forks, {"prompt": "?", "label": "7"}, fake(tiny_tokenizer, [
+        "3", "2", "7", "5"]), tiny_tokenizer, None, {"max_tokens": 4, "temperature": 1.0}, branch=True))
+    assert len(leaves) == 2   # --agent_timeout bounds each branch: the run's path keeps the others too
+    with pytest.raises(agents.DropRollout, match="--agent_timeout"):   # nothing left: the rollout's timeout
+        run_branches(tiny_tokenizer, ["3", "2", "2"], branch_turns=(1,), branches=2, deadline=time.monotonic() + 1.5)
 
 
 def test_branches_collate_to_per_turn_inputs_and_branch_values(tiny_tokenizer):

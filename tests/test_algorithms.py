@@ -84,6 +84,30 @@ def test_the_trainer_calls_the_chosen_entry_with_its_own_settings(tiny_model, mo
     assert seen and all(kw[k] == v for kw in seen for k, v in given.items())
 
 
+@pytest.mark.parametrize("name", ["grpo", "turn_reinforce"])
+def test_reward_clip_bounds_the_rewards_and_each_turns_reward_the_estimator_gets(tiny_model, monkeypatch, name):
+    import dataclasses
+    import functools
+    import inspect
+    spec, seen = estimators.ESTIMATORS[name], []
+
+    @functools.wraps(estimators.turn_reinforce)   # its signature: it is given the per-turn inputs
+    def spy(rewards, mask, groups, **kw):
+        seen.append((rewards, kw["turn_rewards"]))
+        takes = inspect.signature(spec.fn).parameters
+        return spec.fn(rewards, mask, groups, **{k: v for k, v in kw.items() if k in takes})
+    monkeypatch.setitem(estimators.ESTIMATORS, name, dataclasses.replace(spec, fn=spy))
+    trajs = _trajectories()
+    for i, t in enumerate(trajs):   # two turns: rewards 3 and -2 (or 0 and 0); the second turn is the reply
+        t["reward"] = 1.0 if t["reward"] else 0.0
+        t["turns"] = [0] * 5 + [1] * (len(t["tokens"]) - 5)
+        t["turn_rewards"] = [3.0, -2.0] if t["reward"] else [0.0, 0.0]
+    Trainer(trainer_cfg(tiny_model, estimator=name, reward_clip=0.5)).train_step(trajs)
+    rewards, turn_rewards = seen[0]
+    assert rewards.abs().max() == 0.5
+    assert turn_rewards.max() == 0.5 and turn_rewards.min() == -0.5   # each turn's, not only their sum
+
+
 # ---------------------------------------------------------------- the training signal itself
 # Plain SGD and no clipping (Adam and grad clipping hide a gradient's scale), so a weight
 # update is exactly -lr * gradient and can be checked against what the flags say.

@@ -64,9 +64,13 @@ def test_checkpoint_restores_adapter_and_optimizer_without_the_base(tiny_model, 
 def test_flags_are_checked(tiny_model):
     for bad, why in (({"lora_alpha": 16}, "need --lora_rank"), ({"lora_rank": 1000}, "lora_rank must be <="),
                      ({"lora_rank": 8, "tp_size": 2, "train_workers": 2}, "--tp_size, --cp_size"),
-                     ({"lora_rank": -1}, "must be >= 0")):
+                     ({"lora_rank": -1}, "must be >= 0"),
+                     ({"lora_rank": 8, "lora_targets": ["q_proj", "qproj"]}, "targets qproj: not a linear layer"),
+                     ({"lora_rank": 8, "lora_targets": ["lm_head"]}, "targets lm_head: .* choose from down_proj"),
+                     ({"lora_rank": 8, "lora_targets": ["embed_tokens"]}, "targets embed_tokens")):
         with pytest.raises(ValueError, match=why):
             trainer_cfg(tiny_model, **bad)
+    trainer_cfg(tiny_model, lora_rank=8, lora_targets=["q_proj", "down_proj"])   # real names pass
 
 
 @pytest.fixture(scope="module")
