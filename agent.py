@@ -363,7 +363,8 @@ def agent_class(cfg: dict) -> type:
     """The run's agent: a `Program` subclass running --agent_cmd, the class defined in --agent, or an `MCPAgent` (or
     the --agent subclass of it) with the servers of --mcp_server (each split as a shell would)."""
     if not cfg.get("mcp_server"):
-        return program(cfg["agent_cmd"], cfg["agent_timeout"]) if cfg.get("agent_cmd") is not None else load_agent(cfg["agent"])
+        return (program(cfg["agent_cmd"], cfg["agent_timeout"], cfg.get("agent_resources"))
+                if cfg.get("agent_cmd") is not None else load_agent(cfg["agent"]))
     base = load_agent(cfg["agent"]) if cfg["agent"] else MCPAgent
     if not issubclass(base, MCPAgent):
         raise ValueError(f"--mcp_server with --agent: {base.__name__} must subclass agent.MCPAgent (it runs the tools)")
@@ -378,15 +379,15 @@ MAX_OUTPUT = 16 * 2**20   # bytes a program may write (stdout and stderr togethe
 TAIL = 2000               # bytes of stderr shown when a program's rollout is dropped
 
 
-def program(cmd: str, timeout: float) -> type:
-    """A `Program` class running `cmd` (split as a shell would; run without a shell) within `timeout` seconds.
-    ValueError: an empty command, or one whose executable is not found."""
+def program(cmd: str, timeout: float, resources: dict | None = None) -> type:
+    """A `Program` class running `cmd` (split as a shell would; run without a shell) within `timeout` seconds, here or
+    on a node with `resources`. ValueError: an empty command, or one whose executable is not found (here)."""
     argv = shlex.split(cmd)
     if not argv:
         raise ValueError("--agent_cmd is empty: give the command that runs one rollout")
-    if shutil.which(argv[0]) is None:
+    if shutil.which(argv[0]) is None and not resources:   # on other nodes the path is theirs
         raise ValueError(f"--agent_cmd {cmd!r}: {argv[0]!r} is not an executable file here or on PATH")
-    return type("Program", (Program,), {"argv": argv, "timeout": timeout})
+    return type("Program", (Program,), {"argv": argv, "timeout": timeout, "resources": resources})
 
 
 class _Output:
@@ -421,41 +422,58 @@ def _reward_object(line: bytes) -> dict | None:
     return None
 
 
+async def run_process(argv: list[str], row: dict, env: dict, timeout: float) -> tuple:
+    """A `Program`'s process, here or in a Ray task: its own group in a fresh temporary folder, `env` over
+    this process's environment (with the run's tag, faults.TAG), the row on stdin, both pipes read (bounded) within
+    `timeout`, then the whole group killed. -> (stdout, stderr, (reason, what) of a drop or None)."""
+    out, err, total, failed = _Output(), _Output(), [0], None
+    with tempfile.TemporaryDirectory(prefix="molt-program-") as cwd:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, cwd=cwd, env={**os.environ, **env}, start_new_session=True, stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        try:
+            async def feed():
+                with contextlib.suppress(ConnectionError):   # a program need not read its row
+                    proc.stdin.write(json.dumps(row, default=str).encode() + b"\n")
+                    await proc.stdin.drain()
+                    proc.stdin.close()
+            await asyncio.wait_for(asyncio.gather(feed(), out.read(proc.stdout, total),
+                                                  err.read(proc.stderr, total), proc.wait()), timeout)
+        except (asyncio.TimeoutError, DropRollout) as e:   # the caller drops the rollout, with the stderr's tail
+            failed = (e.reason, str(e)) if isinstance(e, DropRollout) else ("timeout", f"ran past --agent_timeout {timeout:g}s: killed")
+        finally:   # the whole group, whatever it left running (a Ray task's too: ray.cancel raises in it)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+    return out, err, failed or (proc.returncode and ("exit", f"exited with {proc.returncode}")) or None
+
+
 class Program(ChatAgent):
-    """A rollout run by a program (`--agent_cmd`; the contract is docs/programs.md): its own process group, in a
-    fresh temporary folder removed after it; the server's URLs and this rollout's key in OPENAI_BASE_URL,
-    OPENAI_API_KEY, ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY; the dataset row as JSON on stdin; the reward as a JSON
-    object {"reward": R, "info": {...}} on the last line of stdout. It inherits the run's tag (faults.TAG), so
-    the reaper ends it with the run. Any failure drops the rollout (DropRollout) with the stderr's tail."""
+    """A rollout run by a program (`--agent_cmd`; the contract is docs/programs.md), here or on a node with `resources`
+    (`run_process`): the server's URLs and this rollout's key in OPENAI_BASE_URL, OPENAI_API_KEY, ANTHROPIC_BASE_URL,
+    ANTHROPIC_API_KEY; the dataset row as JSON on stdin; the reward as a JSON object {"reward": R, "info": {...}} on
+    the last line of stdout. It inherits the run's tag (faults.TAG), so the reaper ends it with the run. Any failure
+    drops the rollout (DropRollout) with the stderr's tail."""
     argv: list[str] = []
     timeout: float = 300.0
+    resources: dict | None = None
 
     async def run(self, ctx: ChatContext) -> Result:
-        env = {**os.environ, "OPENAI_BASE_URL": ctx.base_url, "OPENAI_API_KEY": ctx.api_key,
-               "ANTHROPIC_BASE_URL": ctx.anthropic_base_url, "ANTHROPIC_API_KEY": ctx.api_key}
-        out, err, total = _Output(), _Output(), [0]
-        with tempfile.TemporaryDirectory(prefix="molt-program-") as cwd:
-            proc = await asyncio.create_subprocess_exec(
-                *self.argv, cwd=cwd, env=env, start_new_session=True, stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        args = (self.argv, ctx.row, {"OPENAI_BASE_URL": ctx.base_url, "OPENAI_API_KEY": ctx.api_key,   # over its env
+                "ANTHROPIC_BASE_URL": ctx.anthropic_base_url, "ANTHROPIC_API_KEY": ctx.api_key}, self.timeout)
+        if not self.resources:
+            out, err, failed = await run_process(*args)
+        else:
+            import ray
+            amounts = dict(self.resources)   # as given: no CPU or GPU unless named
+            task = ray.remote(lambda *a: asyncio.run(run_process(*a))).options(num_cpus=amounts.pop("CPU", 0),
+                num_gpus=amounts.pop("GPU", 0), resources=amounts, max_retries=0).remote(*args)
             try:
-                async def feed():
-                    with contextlib.suppress(ConnectionError):   # a program need not read its row
-                        proc.stdin.write(json.dumps(ctx.row, default=str).encode() + b"\n")
-                        await proc.stdin.drain()
-                        proc.stdin.close()
-                await asyncio.wait_for(asyncio.gather(feed(), out.read(proc.stdout, total),
-                                                      err.read(proc.stderr, total), proc.wait()), self.timeout)
-            except asyncio.TimeoutError:
-                raise self.drop(err, "timeout", f"ran past --agent_timeout {self.timeout:g}s: killed") from None
-            except DropRollout as e:
-                raise self.drop(err, e.reason, str(e)) from None
-            finally:   # the whole group, whatever it left running
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                await proc.wait()
-        if proc.returncode != 0:
-            raise self.drop(err, "exit", f"exited with {proc.returncode}")
+                out, err, failed = await task
+            finally:   # dropped or cancelled here: stop it there (not force: its group is killed first)
+                ray.cancel(task)
+        if failed:
+            raise self.drop(err, *failed)
         found = _reward_object(out.last)
         if found is None:
             raise self.drop(err, "no_reward", "printed no reward: the last line of stdout must be a JSON object "

@@ -99,6 +99,12 @@ def run_tagged(cfg: dict) -> dict:
     resume_from = logs.complete_checkpoints(out)[-1] if cfg["resume"] and logs.complete_checkpoints(out) else None
     ray = start_ray(cfg)
     try:
+        if cfg["agent_resources"] or cfg["server_host"]:   # programs elsewhere reach this node's Ray address
+            if not any(n["Alive"] and all(n["Resources"].get(k, 0) >= v for k, v in cfg["agent_resources"].items())
+                       for n in ray.nodes()):   # else its tasks would wait forever
+                raise ValueError(f"--agent_resources {json.dumps(cfg['agent_resources'])}: no node of the Ray cluster "
+                                 f"has them all (`ray start --resources`); it has {ray.cluster_resources()}")
+            cfg["server_host"] = cfg["server_host"] or ray.util.get_node_ip_address()
         engines = None if cfg["replay_rollouts"] else start_engines(cfg)
         trainer = TrainerGroup(cfg)
         wait_ready(cfg, [*trainer.ready()] + ([a.warm_up.remote() for a in engines.actors] if engines else []))

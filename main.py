@@ -283,6 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(custom resources of `ray start --resources`) to keep the trainer on chosen nodes")
     g.add_argument("--engine_resources", type=resources, default={}, metavar="JSON",
                    help="extra Ray resources every engine's bundle asks for (like --trainer_resources)")
+    g.add_argument("--agent_resources", type=resources, default={}, metavar="JSON", help="run --agent_cmd programs as "
+                   "Ray tasks asking for these (as given, no CPU unless named) on nodes that have them (docs/programs.md)")
+    g.add_argument("--server_host", default=None, help="the address the chat server listens on (default: 127.0.0.1, "
+                   "or this node's Ray address with --agent_resources; 0.0.0.0: every interface)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.add_argument("--verbose", action="store_true", help="show the actors' logs (vLLM, trainer)")
     return p
@@ -487,6 +491,8 @@ def validate(cfg: dict) -> dict:
         need(cfg["max_len"] % cfg["cp_size"] == 0,
              f"--max_len {cfg['max_len']} must be divisible by --cp_size {cfg['cp_size']} (each rank gets an equal chunk)")
     need(not (cfg["agent"] and cfg["agent_cmd"] is not None), "--agent and --agent_cmd are two agents: choose one")
+    need(cfg["agent_cmd"] is not None or not cfg["agent_resources"], "--agent_resources places --agent_cmd programs: "
+         "pass --agent_cmd (an --agent runs in the driver)")
     need(not (cfg["mcp_server"] and cfg["agent_cmd"] is not None), "--mcp_server gives tools to the built-in MCP "
          "agent; a program (--agent_cmd) runs its own MCP servers: choose one")
     cfg["agent"] = None if cfg["agent_cmd"] is not None else cfg["agent"] or (None if cfg["mcp_server"] else DEFAULT_AGENT)

@@ -3,7 +3,7 @@
 (The agent contract, `ChatAgent` and `run_chat_agent`, is in agent.py; this is the HTTP half.
 The trace and its rendering, `Trajectory`, `render`/`encode`, `delta_ids`, `sample`, are trajectory.py's.)
 
-`ChatServer` (aiohttp, 127.0.0.1 only, in the caller's event loop) serves one URL prefix per rollout,
+`ChatServer` (aiohttp, on 127.0.0.1 unless told, in the caller's event loop) serves one URL prefix per rollout,
 `/s/<session>/v1/`, to requests that carry the rollout's key (`Authorization: Bearer` or `x-api-key`; else a 401): POST chat/completions (OpenAI), responses (OpenAI; previous_response_id within the
 session) and messages (Anthropic), each streamed or not; POST messages/count_tokens; GET models.
 
@@ -747,8 +747,9 @@ class ChatServer:
     tokenizer, sampling=..., max_len=...)`; requests to `session.base_url` / `session.anthropic_base_url`;
     `segments = server.close_session(session.id)`; `await server.stop()`."""
 
-    def __init__(self, model_name: str = "policy", tool_parser: str = "hermes", reasoning_parser: str | None = None):
-        self.model_name = model_name
+    def __init__(self, model_name: str = "policy", tool_parser: str = "hermes", reasoning_parser: str | None = None,
+                 host: str | None = None):
+        self.model_name, self.host = model_name, host or "127.0.0.1"
         self.parser_names = (tool_parser, reasoning_parser)   # vLLM's parsers of the policy's format
         self.sessions: dict[str, ChatSession] = {}
         self.url = ""
@@ -765,12 +766,16 @@ class ChatServer:
         app.router.add_get(route + "models/{model}", self._models)
         app.router.add_route("*", "/{tail:.*}", self._not_found)
         sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))   # a free port, loopback only
+        sock.bind((self.host, 0))   # a free port; loopback unless told (--agent_resources, --server_host)
         # A client that disconnects (a timeout, a cancelled call) cancels its request: its reply is never trained.
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         await web.SockSite(self._runner, sock).start()
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.url = f"http://{self.host}:{sock.getsockname()[1]}"
+        if self.host != "127.0.0.1":   # on every interface (0.0.0.0), clients connect at this node's Ray address
+            import ray
+            self.url = self.url.replace("0.0.0.0", ray.util.get_node_ip_address())
+            log.warning("chat server: listening on %s, at %s (requests need their rollout's key)", self.host, self.url)
         return self.url
 
     async def stop(self):

@@ -4,24 +4,32 @@
 loopback address (127.0.0.2, 127.0.0.3; the driver's node keeps the host's address) and a
 custom resource naming it, so "which node" is a real, different IP for every actor: the
 trainer ranks are pinned to one node with --trainer_resources, the engine to another with
---engine_resources. Checked: the process group's store is hosted on rank 0's node (not the
-driver's), a TP group shares a node, engines split the cores of their own node, --output_dir
-must be visible from every trainer node, and the loop trains token-exactly across nodes
-(weights broadcast from the trainer's node to the engine's).
+--engine_resources, --agent_cmd programs to a third with --agent_resources. Checked: the process
+group's store is hosted on rank 0's node (not the driver's), a TP group shares a node, engines split
+the cores of their own node, --output_dir must be visible from every trainer node, the loop trains
+token-exactly across nodes (weights broadcast from the trainer's node to the engine's; the programs'
+requests come from theirs to the chat server on the driver's address), a program on another node
+is refused without its key and ends with its rollout, and programs no node can place are refused.
 
     python -m pytest -q tests/test_cluster.py
 """
 
+import asyncio
+import contextlib
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
+import agent as agents
 import generator
 import parallel
 import trainer
+from fakes import check_token_exact, fake
+from test_programs import PROGRAMS, rows, wait_gone
 
-TRAINER_IP, ENGINE_IP = "127.0.0.2", "127.0.0.3"
+TRAINER_IP, ENGINE_IP, AGENT_IP = "127.0.0.2", "127.0.0.3", "127.0.0.4"
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +38,7 @@ def cluster():
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})   # the driver's node runs nothing
     c.add_node(num_cpus=3, resources={"trainer_node": 3}, node_ip_address=TRAINER_IP)   # room for a misplaced engine
     c.add_node(num_cpus=1, resources={"engine_node": 1}, node_ip_address=ENGINE_IP)
+    c.add_node(num_cpus=1, resources={"agent_node": 2}, node_ip_address=AGENT_IP)   # programs ask for no CPU
     yield c
     c.shutdown()
 
@@ -156,26 +165,123 @@ def test_output_dir_on_one_node_only_is_refused():
         trainer.check_shared_storage(facts, ["/runs/a/.molt-visible-x"])
 
 
-def test_loop_on_two_nodes_places_and_trains_token_exactly(cluster, tiny_model, tmp_path):
-    """Trainer ranks on one node, the engine on another, weights broadcast between them."""
+def test_loop_on_three_nodes_places_and_trains_token_exactly(cluster, tiny_model, tmp_path):
+    """Trainer ranks on one node, the engine on another, weights broadcast between them; the rollouts are
+    programs (examples/programs/running_max.py) on a third, talking to the chat server on the driver's node."""
     import main
-    out = tmp_path / "run"
+    out, seen = tmp_path / "run", tmp_path / "seen"
+    seen.mkdir()
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows(8)))
+    where = tmp_path / "where.sh"   # what the program sees on its node, then the program itself
+    program = PROGRAMS / "running_max.py"
+    where.write_text(f'{{ tr "\\0" " " < /proc/$RAY_RAYLET_PID/cmdline; echo; echo "$MOLT_RUN_ID $OPENAI_BASE_URL"; }}'
+                     f" > {seen}/$$\nexec {sys.executable} {program}\n")
     # "auto": the cluster this host runs (the Cluster wrote its address where `ray start` does)
     main.main(["--model", tiny_model, "--ray_address", "auto", "--output_dir", str(out),
                "--trainer_resources", json.dumps({"trainer_node": 0.5}),
                "--engine_resources", json.dumps({"engine_node": 0.5}),
+               "--agent_cmd", f"bash {where}", "--dataset", str(data), "--agent_resources", '{"agent_node": 0.5}',
                "--train_workers", "2", "--weight_sync", "broadcast", "--steps", "2", "--prompts_per_step", "2",
                "--samples_per_prompt", "2", "--max_new_tokens", "2", "--mini_batches", "1", "--quiet",
                "--no_plot", "--save_every", "2"])
     lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2]
     assert all(m["mismatch_abs"] < 1e-4 for m in lines), "token-exact across nodes, before and after a sync"
+    assert not any(k.startswith("dropped/") and v for m in lines for k, v in m.items()), lines
     assert (out / "final" / "model.safetensors").is_file() and (out / "checkpoints" / "step_000002").is_dir()
     actors = cluster.global_state.actor_table(None).values()
     where = {}
     for a in actors:
         where.setdefault(a["ActorClassName"], set()).add(a["Address"]["IPAddress"])
     assert where["Trainer"] == {TRAINER_IP} and where["Generator"] == {ENGINE_IP}, where
+    programs = [f.read_text().splitlines() for f in seen.iterdir()]
+    assert len(programs) == 8, "2 steps of 2 x 2 rollouts"
+    driver = cluster.head_node.node_ip_address
+    for node, (tag, url) in ((p[0], p[1].split()) for p in programs):
+        assert f"--node_ip_address={AGENT_IP} " in node, "on the agent node"
+        assert url.startswith(f"http://{driver}:") and driver != "127.0.0.1", "the server on the driver's address"
+        assert len(tag) > 8, "the run's tag reached the program on its node"
+
+
+PROGRAM = """import json, os, subprocess, sys, time, urllib.error, urllib.request
+row = json.loads(sys.stdin.readline())
+def ask(url, key):
+    headers = {'Content-Type': 'application/json', **({'Authorization': 'Bearer ' + key} if key else {})}
+    body = json.dumps({'messages': [{'role': 'user', 'content': row['prompt']}]}).encode()
+    try:
+        return json.load(urllib.request.urlopen(urllib.request.Request(url + '/chat/completions', body, headers)))
+    except urllib.error.HTTPError as e:
+        return e.code
+url, key = os.environ['OPENAI_BASE_URL'], os.environ['OPENAI_API_KEY']
+refused = [ask(url, None), ask(url, row['other_key']), ask(row['other_url'], key)]
+node = open(f"/proc/{os.environ['RAY_RAYLET_PID']}/cmdline").read().replace('\\0', ' ')
+child = subprocess.Popen(['sleep', '600']).pid if row.get('hang') else None   # a process of its group
+open(row['report'] + '.tmp', 'w').write(json.dumps({'refused': refused, 'node': node, 'url': url,
+                                                    'pids': [os.getpid(), child]}))
+os.replace(row['report'] + '.tmp', row['report'])
+if child:
+    time.sleep(600)
+print(json.dumps({'reward': float(ask(url, key)['choices'][0]['message']['content'] == '7')}))
+"""
+
+
+def test_a_program_on_another_node_trains_needs_its_key_and_ends_with_its_rollout(cluster, tiny_tokenizer, tmp_path):
+    """A program placed by --agent_resources runs on that node and reaches the server on the driver's
+    address; its requests without its key, with another rollout's key, or to another rollout's URL get a 401
+    and touch no trace; its one real request is trained token-exactly. A rollout cancelled on the driver
+    ends the program and its group on its node (the Ray task is cancelled: it kills the group)."""
+    import ray
+    from server import ChatServer
+    root = Path(__file__).resolve().parents[1]   # the task's worker imports agent.py
+    ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": str(root)}})
+    loop, sampling = asyncio.new_event_loop(), {"temperature": 1.0, "max_tokens": 4}
+    server = ChatServer(host=ray.util.get_node_ip_address())   # what launch.run_tagged picks for --agent_resources
+    try:
+        loop.run_until_complete(server.start())
+        prog = tmp_path / "remote.py"
+        prog.write_text(PROGRAM)
+        remote = agents.program(f"{sys.executable} {prog}", 60, {"agent_node": 1})
+        other = server.open_session(fake(tiny_tokenizer, []), tiny_tokenizer, sampling=sampling, max_len=128)
+        row = {"prompt": "1?2=", "label": None, "other_key": other.key, "other_url": other.base_url,
+               "report": str(tmp_path / "report.json")}
+        rec = fake(tiny_tokenizer, ["7"])
+        segs = loop.run_until_complete(agents.run_chat_agent(remote(), row, rec, tiny_tokenizer, server,
+                                                             sampling=sampling, max_len=128))
+        seen = json.loads((tmp_path / "report.json").read_text())
+        assert f"--node_ip_address={AGENT_IP} " in seen["node"], "placed on the agent node"
+        assert seen["url"].startswith(server.url) and not server.url.startswith("http://127."), seen["url"]
+        assert seen["refused"] == [401, 401, 401]
+        assert len(rec.calls) == 1 and segs[0].reward == 1.0
+        check_token_exact(segs, rec.calls)
+        assert other.requests == 0 and server.close_session(other.id) == []
+
+        async def cancelled_while_it_runs(report: Path):
+            run = asyncio.ensure_future(agents.run_chat_agent(remote(), {**row, "hang": True, "report": str(report)},
+                                                              fake(tiny_tokenizer, []), tiny_tokenizer, server,
+                                                              sampling=sampling, max_len=128))
+            while not report.exists():
+                assert not run.done(), run.exception()
+                await asyncio.sleep(0.05)
+            run.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await run
+        loop.run_until_complete(cancelled_while_it_runs(tmp_path / "hang.json"))
+        for pid in json.loads((tmp_path / "hang.json").read_text())["pids"]:
+            wait_gone(pid, 30)
+    finally:
+        loop.run_until_complete(server.stop())
+        loop.close()
+        ray.shutdown()
+
+
+def test_programs_no_node_can_place_are_refused_at_start_up(cluster, tiny_model, tmp_path):
+    import main
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows(4)))
+    with pytest.raises(ValueError, match=r'--agent_resources \{"agent_node": 3.0\}: no node of the Ray cluster'):
+        main.main(["--model", tiny_model, "--ray_address", "auto", "--output_dir", str(tmp_path / "out"),
+                   "--agent_cmd", "true", "--dataset", str(data), "--agent_resources", '{"agent_node": 3}'])
 
 
 def test_gpu_shares_keep_trainer_and_engine_gpus_apart():

@@ -230,6 +230,8 @@ def test_agent_cmd_flags_are_checked_before_anything_starts(tmp_path, tiny_model
     with pytest.raises(SystemExit):
         main.main([*base, "--agent_cmd", "true", "--agent", str(ROOT / "examples" / "agents" / "max_digit.py")])
     assert "choose one" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--agent_resources places --agent_cmd programs: pass --agent_cmd"):
+        main.validate(vars(main.build_parser().parse_args([*base, "--agent_resources", '{"sandbox": 1}'])))
     with pytest.raises(SystemExit):
         main.main(["--model", tiny_model, "--agent_cmd", "true", "--output_dir", str(tmp_path / "out")])
     assert "pass --dataset" in capsys.readouterr().err
