@@ -444,6 +444,7 @@ async def run_process(argv: list[str], row: dict, env: dict, timeout: float) -> 
         finally:   # the whole group, whatever it left running (a Ray task's too: ray.cancel raises in it)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
+            proc._transport.close()   # its pipes too: a flood's unread, paused pipe would keep wait() from returning
             await proc.wait()
     return out, err, failed or (proc.returncode and ("exit", f"exited with {proc.returncode}")) or None
 
