@@ -38,7 +38,8 @@ async def evaluate(cfg: dict, client, agent_cls: type, tokenizer, rows: list[dic
             threads = faults.AgentThreads()
             started.callback(threads.close)
         if server is None and issubclass(agent_cls, agents.ChatAgent):  # --eval_only: no loop has started one
-            server = ChatServer(tool_parser=cfg["tool_parser"], reasoning_parser=cfg["reasoning_parser"], host=cfg.get("server_host"))
+            server = ChatServer(tool_parser=cfg["tool_parser"], reasoning_parser=cfg["reasoning_parser"],
+                               host=cfg.get("server_host"))
             await server.start()
             started.push_async_callback(server.stop)
         results = await asyncio.gather(*[one(r) for r in rows for _ in range(k)])

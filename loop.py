@@ -216,7 +216,8 @@ async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, to
     rows = resumed_rows(data.prompt_source(cfg, agent_cls), start)
     server = None
     if client is not None and issubclass(agent_cls, agents.ChatAgent):
-        server = ChatServer(tool_parser=cfg["tool_parser"], reasoning_parser=cfg["reasoning_parser"], host=cfg.get("server_host"))
+        server = ChatServer(tool_parser=cfg["tool_parser"], reasoning_parser=cfg["reasoning_parser"],
+                           host=cfg.get("server_host"))
         await server.start()
     replay = sorted(Path(cfg["replay_rollouts"]).glob("step_*.jsonl")) if cfg["replay_rollouts"] else None
     held_out = evaluation.eval_rows(cfg, agent_cls) if cfg["eval_every"] and client else []
