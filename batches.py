@@ -105,47 +105,79 @@ def plan(cfg: dict, dims, rows: torch.Tensor, lengths: torch.Tensor) -> list[tor
     return mine + [rows[:0]] * (n - len(mine))
 
 
-def layout(batch: dict, idx: torch.Tensor, packing: bool, cp: int, cp_rank: int, replay: bool) -> dict:
-    """Model inputs (on CPU) of the rows `idx` and how to put outputs back on the [b, T] grid.
+def share_pays(prefix: int, suffixes: list[int], hidden: int) -> bool:
+    """Whether one row (the prefix once, then each suffix) costs less than a row each: it saves
+    (n-1) * prefix token passes (a decoder layer's ~24 hidden^2 flops each) and adds attention scores
+    ((prefix + all suffixes)^2 under a dense mask against sum (prefix + suffix)^2; ~4 hidden flops each)."""
+    extra = (prefix + sum(suffixes)) ** 2 - sum((prefix + s) ** 2 for s in suffixes)
+    return (len(suffixes) - 1) * prefix * 6 * hidden > extra
 
-    padded: [b, Tm] rows (Tm = longest row, a multiple of cp), each CP rank takes one
-    contiguous chunk of positions. packed: one [1, N] row, position ids reset per sample
-    and a block-diagonal causal mask (no attention across samples, no padding)."""
-    L, T = batch["lengths"][idx], batch["input_ids"].shape[1]
-    routing = batch.get("routing") if replay else None
+
+def layout(batch: dict, idx: torch.Tensor, packing: bool, cp: int, cp_rank: int, replay: bool,
+           share: int = 0) -> dict:
+    """Model inputs (on CPU) of the rows `idx`, the columns `keep` whose logits are needed (action tokens'), and
+    `where` [b, T] that puts the [b', K] outputs back on the grid (1 + flat index, 0: none). padded: [b, Tm] rows
+    (Tm a multiple of cp), each CP rank a chunk. share (the hidden size; 0 = off): a group's rows that begin alike
+    make one row where `share_pays`: the prefix once, then each row's rest, attending to the prefix and itself,
+    positions continuing the prefix's. packed: all rows' segments in one [1, N] row (positions reset per sample)."""
+    L, T, n_rows = batch["lengths"][idx], batch["input_ids"].shape[1], len(idx)
     cols = torch.arange(T)
-    if packing:
-        r = torch.arange(len(idx)).repeat_interleave(L)                        # [N] row of each token
-        pos = torch.cat([torch.arange(int(l)) for l in L])                     # [N] reset per sample
-        rows_g, grid = idx[r], (r, pos)                                        # grid: where outputs go
-        seg_same = r[:, None] == r[None, :]
-        attn = (seg_same & torch.ones(len(r), len(r), dtype=torch.bool).tril())[None, None]  # [1, 1, N, N]
-        inp = {"input_ids": batch["input_ids"][rows_g, pos][None], "position_ids": pos[None], "attention_mask": attn}
-        tgt = batch["targets"][rows_g, pos][None]                              # [1, N]
-        rep = routing[rows_g, pos] if routing is not None else None            # [N, layers, k]
-        own = cols[None, :] < L[:, None]
-    else:
+    own = cols[None, :] < L[:, None]
+    model_of = torch.full((n_rows, T), -1)                                    # grid cell -> flat model position
+    inp = {}
+    if not (packing or share):
         Tm = -(-int(L.max()) // cp) * cp
         c0, c1 = cp_rank * Tm // cp, (cp_rank + 1) * Tm // cp
-        grid = (slice(None), slice(c0, c1))
-        inp = {"input_ids": batch["input_ids"][idx, c0:c1]}
+        n = c1 - c0
+        src_r, src_t = torch.arange(n_rows)[:, None].expand(-1, n), torch.arange(c0, c1)[None].expand(n_rows, -1)
+        model_of[:, c0:c1] = torch.arange(n_rows * n).view(n_rows, n)
+        own &= (cols >= c0) & (cols < c1)
         if cp > 1:
-            inp["position_ids"] = torch.arange(c0, c1)[None].expand(len(idx), -1)
-        tgt = batch["targets"][idx, c0:c1]
-        rep = routing[idx, c0:c1].flatten(0, 1) if routing is not None else None
-        own = (cols[None, :] < L[:, None]) & (cols >= c0) & (cols < c1)
-
-    def unpack(x):                                                             # [1, N] or [b, c1-c0] -> [b, T]
-        out = torch.zeros(len(idx), T, dtype=x.dtype)
-        out[grid] = (x[0] if packing else x).cpu()
-        return out
-    return {"inputs": inp, "targets": tgt, "unpack": unpack, "own": own, "replay": rep}
+            inp["position_ids"] = src_t
+    else:
+        rows, groups = [], batch["groups"][idx].tolist()                       # a row: [(rows j, t0, t1, parent)]
+        for g in dict.fromkeys(groups):
+            js = [j for j in range(n_rows) if groups[j] == g]
+            ids, tgt = batch["input_ids"][idx[js]], batch["targets"][idx[js]]   # positions computed alike for all:
+            same = ((ids == ids[:1]) & (tgt == tgt[:1])).all(0)[:int(L[js].min())]   # same tokens through the target
+            P = int(same.long().cumprod(0).sum()) if share and len(js) > 1 else 0
+            if P and share_pays(P, [int(L[j]) - P for j in js], share):
+                rows.append([(js, 0, P, -2)] + [([j], P, int(L[j]), 0) for j in js if L[j] > P])
+            else:
+                rows += [[([j], 0, int(L[j]), -2)] for j in js]
+        if packing:                                                            # one row; parents re-indexed
+            offsets = torch.tensor([0] + [len(r) for r in rows]).cumsum(0).tolist()
+            rows = [[(js, t0, t1, p if p < 0 else p + o) for js, t0, t1, p in r] for r, o in zip(rows, offsets)]
+            rows = [sum(rows, [])]
+        n = max(sum(t1 - t0 for _, t0, t1, _ in r) for r in rows)
+        src_r, src_t = torch.zeros(len(rows), n, dtype=torch.long), torch.zeros(len(rows), n, dtype=torch.long)
+        seg, parent = torch.full((len(rows), n), -1), torch.full((len(rows), n), -3)
+        for r, segs in enumerate(rows):
+            c = 0
+            for s, (js, t0, t1, p) in enumerate(segs):
+                span = slice(c, c + t1 - t0)
+                src_r[r, span], src_t[r, span], seg[r, span], parent[r, span] = js[0], torch.arange(t0, t1), s, p
+                model_of[js, t0:t1] = torch.arange(r * n + c, r * n + c + t1 - t0)
+                c += t1 - t0
+        # causal, and only within a segment or into its parent (padding: among itself)
+        see = (seg[:, :, None] == seg[:, None, :]) | (parent[:, :, None] == seg[:, None, :])
+        inp.update(position_ids=src_t, attention_mask=(see & torch.ones(n, n, dtype=torch.bool).tril())[:, None])
+    need = own & (batch["mask"][idx] > 0) & (model_of >= 0)
+    keep = (model_of[need] % n).unique()
+    keep = keep if len(keep) else torch.tensor([0])                           # an empty micro-batch: one column
+    col = torch.full((n,), -1)
+    col[keep] = torch.arange(len(keep))
+    flat = (model_of // n) * len(keep) + col[model_of % n]
+    where = torch.where((model_of >= 0) & (col[model_of % n] >= 0) & own, flat + 1, 0)
+    rows_g = idx[src_r]
+    inp["input_ids"] = batch["input_ids"][rows_g, src_t]
+    routing = batch.get("routing") if replay else None
+    return {"inputs": inp, "targets": batch["targets"][rows_g, src_t][:, keep], "where": where, "own": own,
+            "keep": keep, "replay": routing[rows_g, src_t].flatten(0, 1) if routing is not None else None}
 
 
 def scatter(v: torch.Tensor, x: dict, device) -> torch.Tensor:
-    """Differentiable put of a micro-batch output ([b, n] padded chunk or [1, N] packed) on
-    the [b, T] grid of its rows (zeros elsewhere)."""
-    probe = x["unpack"](torch.arange(1, v.numel() + 1, dtype=torch.long).view_as(v))  # where each value goes
-    where = probe.to(device).flatten()
+    """Differentiable gather of a micro-batch's outputs [b', K] onto the [b, T] grid of its rows (zeros
+    elsewhere; a shared position's value goes to every row that shares it)."""
     flat = torch.cat([torch.zeros(1, dtype=v.dtype, device=v.device), v.flatten()])
-    return flat[where].view(probe.shape)
+    return flat[x["where"].to(device)]

@@ -214,8 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "clip: ratio clamped to the band; trunc: min(ratio, HIGH))")
     g.add_argument("--old_logprobs", default="recompute", choices=["recompute", "engine"], help="the old policy's "
                    "logprobs of the PPO ratio: recompute (a trainer forward before the update) or engine (the sampling "
-                   "logprobs: one forward less per step, verl's bypass mode; only when exactly on-policy: --async_depth "
-                   "0, --mini_batches 1, --ppo_epochs 1, no replay; sound where trainer and engine agree, as in float32 "
+                   "logprobs: one forward less per step, verl's bypass mode; only on-policy: --async_depth 0, no "
+                   "replay; sound where trainer and engine agree, as in float32 "
                    "(gap ~1e-6); the IS correction and mismatch metrics then see no gap)")
     g.add_argument("--is_band", type=float, nargs=2, default=[0.0, 2.0], metavar=("LOW", "HIGH"),
                    help="IS weight band (trunc uses HIGH only)")
@@ -249,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(instead of --micro_batch_size rows; padded rows count at their longest)")
     g.add_argument("--packing", action="store_true", help="pack each micro-batch into one row (reset positions, "
                    "block-diagonal attention, no padding)")
+    g.add_argument("--share_prefix", action=argparse.BooleanOptionalAction, default=True, help="rows of a group that "
+                   "begin alike (the prompt) share those positions in the trainer's forward: computed once, exact")
     g.add_argument("--activation_checkpointing", action="store_true", help="recompute each block in backward")
     g.add_argument("--offload", default="none", choices=["none", "optimizer"],
                    help="optimizer: parameters, gradients, optimizer state and step on CPU (FSDP2 CPUOffloadPolicy)")
@@ -385,12 +387,12 @@ def validate(cfg: dict) -> dict:
         why = native_bf16()
         cfg["param_dtype"] = "bfloat16" if why else "float32"
         print(f"--param_dtype auto: {cfg['param_dtype']} ({why or 'no native bf16 on this CPU'})", file=sys.stderr)
-    # The engine's sampling logprobs are the old policy's only when every token was sampled by the weights the
-    # step starts from and the step makes one update (after a first mini-batch or epoch the policy has moved).
-    on_policy = cfg["async_depth"] == 0 and cfg["mini_batches"] == cfg["ppo_epochs"] == 1 and not cfg["replay_rollouts"]
-    need(cfg["old_logprobs"] != "engine" or on_policy, "--old_logprobs engine needs an exactly on-policy step "
-         "(--async_depth 0, --mini_batches 1, --ppo_epochs 1, no --replay_rollouts): otherwise the engine's "
-         "logprobs are not the old policy's; use --old_logprobs recompute")
+    # The engine's sampling logprobs are the old policy's (the weights the step starts from, for every
+    # mini-batch and epoch) only when every token was sampled by those weights.
+    on_policy = cfg["async_depth"] == 0 and not cfg["replay_rollouts"]
+    need(cfg["old_logprobs"] != "engine" or on_policy, "--old_logprobs engine needs an on-policy step "
+         "(--async_depth 0, no --replay_rollouts): otherwise the engine's logprobs are not the old policy's; "
+         "use --old_logprobs recompute")
     # engine
     if cfg["weight_sync"] == "auto":
         # NCCL needs the trainer's and the engine's GPU to differ: with one GPU they share it.

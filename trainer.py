@@ -195,6 +195,10 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
             self.critic = self._shard(without_dropout(ValueModel(cfg["critic_model"] or cfg["model"])))
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=cfg["critic_lr"] or cfg["lr"],
                                                       betas=(0.9, 0.99), weight_decay=cfg["weight_decay"])
+        # Rows of a group that begin alike share those positions in the forward (batches.layout); not
+        # under CP (it splits rows) or for a VLM (its rope positions come from the image tokens).
+        self.share = 0 if self.image_processor or self.dims.cp > 1 or not cfg.get("share_prefix", True) \
+            else config.get_text_config().hidden_size
         self.version = 0
         gc.freeze()  # start-up objects live as long as the trainer: no full collection walks them
 
@@ -216,7 +220,7 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         real = len(mb) > 0
         idx = mb if real else torch.tensor([0])    # an empty micro-batch runs a zero-weight row
         x = batches.layout(batch, idx, self.cfg.get("packing"), self.dims.cp, self.dims.cp_rank,
-                           self.cfg.get("routing_replay"))
+                           self.cfg.get("routing_replay"), self.share)
         inp = x["inputs"]
         if self.image_processor is not None:  # whole rows (CP and packing are refused for VLMs)
             rows_images = [batch["images"][i] for i in idx.tolist()] if batch.get("images") else [[] for _ in idx]
@@ -239,7 +243,8 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         """(logprobs of the targets [b, T], entropy [b, T] or None) under `model`, on the grid."""
         b, n = x["targets"].shape
         with parallel.routing(model, replay=x["replay"] if model is self.model else None):  # the policy's only
-            logits = model(**x["inputs"]).logits[:b, :n].float() / self.cfg["temperature"]   # [b, n, V or V/tp]
+            logits = model(**x["inputs"], logits_to_keep=x["keep"].to(self.device)).logits[:b, :n]
+        logits = logits.float() / self.cfg["temperature"]                                          # [b, K, V or V/tp]
         if self.dims.tp > 1:  # vocab-parallel LM head: this rank's slice of the vocabulary
             lp, ent = parallel.vocab_parallel_logprobs(logits, x["targets"], self.vocab, self.dims.group("tp"), entropy)
         else:
@@ -249,8 +254,8 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         return grid(lp), (grid(ent) if entropy else None)
 
     def _values(self, x: dict) -> torch.Tensor:
-        b, n = x["targets"].shape
-        return batches.scatter(self.critic(**x["inputs"])[:b, :n], x, self.device)  # less any dummy image row
+        b = x["targets"].shape[0]
+        return batches.scatter(self.critic(**x["inputs"])[:b, x["keep"]], x, self.device)  # less any dummy image row
 
     @torch.no_grad()
     def _score(self, batch: dict) -> dict[str, torch.Tensor]:
@@ -313,7 +318,9 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         shuffle = torch.Generator().manual_seed(cfg["seed"] * 100_003 + self.version)
         totals, norms, updates = defaultdict(float), defaultdict(float), 0
         for _ in range(cfg["ppo_epochs"]):
-            order = torch.randperm(B, generator=shuffle) if n_mini > 1 else torch.arange(B)
+            # whole groups in a random order: a mini-batch holds groups, whose rows share their prompt (layout)
+            key = torch.randperm(B, generator=shuffle)[batch["groups"].unique(return_inverse=True)[1]]
+            order = torch.argsort(key, stable=True) if n_mini > 1 else torch.arange(B)
             for rows in order.tensor_split(n_mini):  # exactly n_mini parts (chunk may give fewer)
                 step_tokens, step_rows = mask[rows].sum().clamp(min=1), len(rows)
                 for mb in batches.plan(self.cfg, self.dims, rows, batch["lengths"]):
@@ -342,15 +349,6 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
             metrics["per_token"] = {"advantages": rows(advantages * mask + 0.0), "trainer_logprobs": rows(old * mask + 0.0)}
         return metrics
 
-    def _agg(self, x: torch.Tensor, m: torch.Tensor, i: torch.Tensor, batch: dict, step_tokens, step_rows):
-        """losses.aggregate over this rank's tokens with the step's global counts. Under CP a
-        row is split across ranks, so per-row means use the row's full token count."""
-        mode = self.cfg["loss_agg"]
-        if mode == "seq_mean_token_mean" and self.dims.cp > 1:
-            full = batch["mask"][i].sum(1).clamp(min=1).to(x.device)
-            x = x * (m.sum(1).clamp(min=1) / full)[:, None]
-        return losses.aggregate(x, m, mode, num_tokens=step_tokens, num_seqs=step_rows)
-
     def _micro_loss(self, batch, x, old, ref, advantages, weights, step_tokens, step_rows) -> dict:
         """Policy loss (+ KL loss, - entropy bonus) of one micro-batch, already normalized."""
         cfg, i = self.cfg, x["idx"]
@@ -360,7 +358,7 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         (lo, hi), own = cfg["eps_clip"] or (None, 0.0), losses.POLICY_LOSSES[cfg["loss"]].settings
         per_token, pm = losses.policy_loss(cfg["loss"], lp, old[i].to(dev), advantages[i].to(dev), m, eps_low=lo,
                                            eps_high=hi, **{k: cfg[k] for k in own})
-        agg = lambda v: self._agg(v, m, i, batch, step_tokens, step_rows)
+        agg = lambda v: aggregate(v, m, batch["mask"][i], cfg["loss_agg"], self.dims.cp, step_tokens, step_rows)
         share = m.sum().item() / step_tokens.item()  # this micro-batch's share of the step's tokens
         parts = {"policy_loss": agg(per_token * weights[i].to(dev)), "clip_frac": float(pm["clip_frac"]) * share}
         if cfg["kl_loss"]:
@@ -421,6 +419,14 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
 
     def torch_threads(self) -> int:
         return torch.get_num_threads()
+
+
+def aggregate(x: torch.Tensor, m: torch.Tensor, full: torch.Tensor, mode: str, cp: int, step_tokens, step_rows):
+    """losses.aggregate over this rank's tokens `m` with the step's global counts. Under CP a row is split
+    across ranks, so per-row means use the row's full token count (`full`: the rows' whole masks)."""
+    if mode == "seq_mean_token_mean" and cp > 1:
+        x = x * (m.sum(1).clamp(min=1) / full.sum(1).clamp(min=1).to(x.device))[:, None]
+    return losses.aggregate(x, m, mode, num_tokens=step_tokens, num_seqs=step_rows)
 
 
 def optimizer_step(model, optimizer, grad_clip: float, dims) -> float:

@@ -4,7 +4,7 @@ The plain trainer is what a person writes first: each step, one batched
 `transformers.generate` of the step's prompts (sampling, with the sampled tokens'
 logprobs), the agent's reward, then a fixed training step of its own, as TRL's GRPOTrainer trains
 at its defaults (`plain_step`: group-normalized rewards, one forward and backward over the step's padded
-batch, token-level loss, the old logprobs from that same forward since each batch is used once; no KL),
+batch with logits only for the replies, token-level loss, the old logprobs from that same forward since each batch is used once; no KL),
 with the same peft adapter when --lora_rank is given (no Ray, no vLLM, no weight sync), at torch's
 default threads (every core), as a user runs it; `--plain_1thread` adds it at one thread. Ours is
 `main.py` with the same flags: Ray + vLLM + the FSDP2 trainer actor. Both use the same
@@ -178,7 +178,7 @@ def plain(argv: list[str], steps: int, warmup: int, threads: int | None = None) 
                                  finish_reason="stop" if n < len(reply) or reply[n - 1] == tok.eos_token_id
                                  else "length")
             reward = asyncio.run(env_cls().step(state)).reward
-            trajs.append({"tokens": prompt + reply[:n], "mask": [0] * len(prompt) + [1] * n, "reward": float(reward)})
+            trajs.append({"prompt": prompt, "reply": reply[:n], "reward": float(reward)})
         gen_s = time.perf_counter() - t_gen
         plain_step(model, optimizer, trajs, S, T, pad, cfg["grad_clip"])
         times.append({"step_s": time.perf_counter() - t_gen, "gen_s": gen_s, "train_s": time.perf_counter() - t_gen - gen_s,
@@ -191,18 +191,21 @@ def plain(argv: list[str], steps: int, warmup: int, threads: int | None = None) 
 
 def plain_step(model, optimizer, trajs: list[dict], group: int, temperature: float, pad: int, clip: float):
     """The baseline's fixed training step (TRL GRPOTrainer's defaults): advantages (r - group mean) / group std,
-    one forward and backward over the whole padded batch, ratio exp(lp - lp.detach()) (the old policy is this
-    forward's own), loss = -(ratio * A) over all the step's sampled tokens, clip, AdamW."""
+    one forward and backward over the whole batch (prompts left-padded, replies right-padded), logits only for
+    the reply columns (logits_to_keep), ratio exp(lp - lp.detach()) (the old policy is this forward's own),
+    loss = -(ratio * A) over all the step's sampled tokens, clip, AdamW."""
     import torch
-    width = max(len(t["tokens"]) for t in trajs)
-    ids = torch.tensor([t["tokens"] + [pad] * (width - len(t["tokens"])) for t in trajs])       # [B, T]
-    mask = torch.tensor([t["mask"] + [0] * (width - len(t["mask"])) for t in trajs])[:, 1:].float()
+    wp, wc = (max(len(t[k]) for t in trajs) for k in ("prompt", "reply"))
+    ids = torch.tensor([[pad] * (wp - len(t["prompt"])) + t["prompt"] + t["reply"] + [pad] * (wc - len(t["reply"]))
+                        for t in trajs])                                                         # [B, wp + wc]
+    attn = torch.tensor([[0] * (wp - len(t["prompt"])) + [1] * (len(t["prompt"]) + len(t["reply"]))
+                         + [0] * (wc - len(t["reply"])) for t in trajs])
+    mask = attn[:, wp:].float()                                                                  # [B, wc]
     r = torch.tensor([t["reward"] for t in trajs]).view(-1, group)                              # [P, S]
     adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1, 1)         # [B, 1]
     model.train()
-    attn = torch.arange(width) < torch.tensor([len(t["tokens"]) for t in trajs])[:, None]
-    logits = model(input_ids=ids, attention_mask=attn.long()).logits[:, :-1]
-    lp = (logits.float() / temperature).log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]    # [B, T-1]
+    logits = model(input_ids=ids, attention_mask=attn, logits_to_keep=wc + 1).logits[:, :-1]    # [B, wc, V]
+    lp = (logits.float() / temperature).log_softmax(-1).gather(-1, ids[:, wp:, None])[..., 0]   # [B, wc]
     loss = -(torch.exp(lp - lp.detach()) * adv * mask).sum() / mask.sum().clamp(min=1)
     loss.backward()
     torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)

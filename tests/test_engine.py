@@ -33,7 +33,8 @@ def trainer_cfg(model: str, **overrides) -> dict:
     args = ["--model", model, "--temperature", str(TEMPERATURE), "--lr", "1e-2", "--micro_batch_size", "8",
             "--mini_batches", "2"]
     for k, v in overrides.items():
-        args += [f"--{k}", *map(str, v if isinstance(v, (list, tuple)) else [v])] if v is not True else [f"--{k}"]
+        args += ([f"--{k}"] if v is True else [f"--no-{k}"] if v is False
+                 else [f"--{k}", *map(str, v if isinstance(v, (list, tuple)) else [v])])
     return main.validate(vars(main.build_parser().parse_args(args)))
 
 

@@ -158,11 +158,12 @@ def test_broadcast_sync_with_partial_rollout_and_both_exports(lora_engine, loop,
 
 @pytest.mark.parametrize("adapter", [{}, LORA], ids=["full", "lora"])
 def test_engine_old_logprobs_skip_a_forward_and_change_no_gradient(tiny_model, monkeypatch, adapter):
-    """--old_logprobs engine (exactly on-policy): the engine's logprobs (here the trainer's own plus a
-    1e-6 engine-sized gap) replace the recomputed ones: one policy forward less, the same gradient."""
+    """--old_logprobs engine (on-policy): the engine's logprobs (here the trainer's own plus a 1e-6
+    engine-sized gap) replace the recomputed ones: one policy forward less, the same gradient at every
+    mini-batch (the old policy is the step's first weights, which the engine sampled from)."""
     import trainer as trainer_module
     trajs = _trajectories()
-    opts = dict(mini_batches=1, kl_coef=0.1, kl_loss=True, **adapter)   # the KL's reference forward still runs
+    opts = dict(mini_batches=2, micro_batch_size=64, kl_coef=0.1, kl_loss=True, **adapter)   # the ref's forward still runs
     recompute, bypass = Trainer(trainer_cfg(tiny_model, **opts)), Trainer(trainer_cfg(tiny_model, old_logprobs="engine", **opts))
     for t, lp in zip(trajs, trainer_logprobs(recompute, trajs)):
         t["logprobs"] = [0.0] + [v + 1e-6 * (-1) ** k for k, v in enumerate(lp)]
@@ -174,7 +175,9 @@ def test_engine_old_logprobs_skip_a_forward_and_change_no_gradient(tiny_model, m
     recompute.train_step(trajs)
     n = len(forwards)
     bypass.train_step(trajs)
-    assert len(forwards) - n == n - 1   # one micro-batch: the old-logprob pass is the one skipped
-    assert grads[0].abs().max() > 1e-3 and (grads[0] - grads[1]).abs().max() < 1e-5 * grads[0].abs().max()
-    with pytest.raises(ValueError, match="--old_logprobs engine needs an exactly on-policy step"):
-        trainer_cfg(tiny_model, old_logprobs="engine")   # --mini_batches 2
+    assert n - (len(forwards) - n) == 1   # one micro-batch: the old-logprob pass is the one skipped
+    assert len(grads) == 4 and all(g.abs().max() > 1e-3 for g in grads)
+    for a, b in zip(grads[:2], grads[2:]):   # both mini-batches' updates
+        assert (a - b).abs().max() < 1e-5 * a.abs().max()
+    with pytest.raises(ValueError, match="--old_logprobs engine needs an on-policy step"):
+        trainer_cfg(tiny_model, old_logprobs="engine", async_depth=1)
