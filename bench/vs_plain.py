@@ -270,7 +270,7 @@ if __name__ == "__main__":
     for name in names:  # each in a process of its own: no memory or threads left over from the one before
         file = tmp / f"{name.replace(' ', '_')}.json"
         subprocess.run([sys.executable, __file__, "--workload", args.workload, "--steps", str(args.steps),
-                        "--warmup", str(args.warmup), "--extra", args.extra, "--lora", str(args.lora),
+                        "--warmup", str(args.warmup), f"--extra={args.extra}", "--lora", str(args.lora),
                         "--part", f"{name.removesuffix(' again')}:{file}"], check=True)
         runs[name] = json.loads(file.read_text())
     if "plain again" in runs:

@@ -28,10 +28,11 @@ async def _make(model):
 
 
 def trainer_cfg(model: str, **overrides) -> dict:
-    """main.py's defaults for the tiny model, validated, with `overrides`."""
+    """main.py's defaults for the tiny model, validated, with `overrides`; the old logprobs recomputed, since
+    the trajectories of these tests carry made-up sampling logprobs (not an engine's)."""
     import main
     args = ["--model", model, "--temperature", str(TEMPERATURE), "--lr", "1e-2", "--micro_batch_size", "8",
-            "--mini_batches", "2"]
+            "--mini_batches", "2", "--old_logprobs", "recompute"]
     for k, v in overrides.items():
         args += ([f"--{k}"] if v is True else [f"--no-{k}"] if v is False
                  else [f"--{k}", *map(str, v if isinstance(v, (list, tuple)) else [v])])

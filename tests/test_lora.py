@@ -82,6 +82,34 @@ def lora_engine(tiny_model, loop):
     gen.shutdown()
 
 
+def test_grouped_cpu_ops_equal_vllms_per_token_ops():
+    """lora.use_grouped_cpu_ops replaces vLLM's CPU LoRA ops in the engine: same outputs for one adapter and
+    for a mix (with -1, which those ops read as the last slot), scaling and add/assign kept."""
+    import importlib
+    from vllm.lora.ops.torch_ops import lora_ops
+    vllm_ops = importlib.reload(lora_ops)   # vLLM's own, even if this process swapped them
+    g = torch.Generator().manual_seed(0)
+    for idx in (torch.zeros(7, dtype=torch.long), torch.tensor([0, 2, 1, 0, -1, 2, 0])):
+        x, h = torch.randn(7, 12, generator=g), torch.randn(7, 4, generator=g)
+        a, b = torch.randn(3, 1, 4, 12, generator=g), torch.randn(3, 1, 10, 4, generator=g)
+        ours, theirs = torch.zeros(7, 4), torch.zeros(7, 4)
+        lora._shrink(x, a, ours, idx, 0.5)
+        vllm_ops.bgmv_shrink(x, a, theirs, idx, 0.5)
+        torch.testing.assert_close(ours, theirs)
+        for add in (True, False):
+            ours = torch.randn(7, 30, generator=g)
+            theirs = ours.clone()
+            lora._expand_slice(h, b, ours, idx, 5, 10, add)
+            vllm_ops.bgmv_expand_slice(h, b, theirs, idx, 5, 10, add)
+            torch.testing.assert_close(ours, theirs)
+    lora.use_grouped_cpu_ops()
+    ours = torch.randn(7, 10, generator=g)
+    theirs = ours.clone()
+    lora_ops.bgmv_expand(h, b, ours, idx, True)           # the swapped-in op
+    importlib.reload(lora_ops).bgmv_expand(h, b, theirs, idx, True)   # vLLM's again
+    torch.testing.assert_close(ours, theirs)
+
+
 def test_the_engine_samples_from_the_synced_adapter(lora_engine, loop, tiny_model, tiny_tokenizer):
     """Ray path: adapter-only blob; after a step the engine is stale, after the sync it matches the trainer."""
     import safetensors.torch
@@ -172,12 +200,18 @@ def test_engine_old_logprobs_skip_a_forward_and_change_no_gradient(tiny_model, m
     monkeypatch.setattr(Trainer, "_forward", lambda self, *a, **kw: forwards.append(1) or real_forward(self, *a, **kw))
     monkeypatch.setattr(trainer_module, "optimizer_step", lambda model, *a: grads.append(
         torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])) or real_step(model, *a))
-    recompute.train_step(trajs)
+    full = recompute.train_step(trajs)
     n = len(forwards)
-    bypass.train_step(trajs)
+    fast = bypass.train_step(trajs)
     assert n - (len(forwards) - n) == 1   # one micro-batch: the old-logprob pass is the one skipped
+    # the gap and entropy from the first mini-batch's forward (half the tokens), not old - sampled (0)
+    assert 0.9e-6 < fast["mismatch_fresh_abs"] == fast["mismatch_abs"] < 1.1e-6 and "mismatch_max" not in fast
+    assert 0 < fast["mismatch_k3"] < 1e-11 and abs(fast["entropy"] / full["entropy"] - 1) < 0.05
     assert len(grads) == 4 and all(g.abs().max() > 1e-3 for g in grads)
     for a, b in zip(grads[:2], grads[2:]):   # both mini-batches' updates
         assert (a - b).abs().max() < 1e-5 * a.abs().max()
+    trajs[3]["versions"] = [v + 1 for v in trajs[3]["versions"]]
+    with pytest.raises(RuntimeError, match="sampled by another policy version"):
+        bypass.train_step(trajs)
     with pytest.raises(ValueError, match="--old_logprobs engine needs an on-policy step"):
         trainer_cfg(tiny_model, old_logprobs="engine", async_depth=1)
