@@ -105,6 +105,14 @@ def plan(cfg: dict, dims, rows: torch.Tensor, lengths: torch.Tensor) -> list[tor
     return mine + [rows[:0]] * (n - len(mine))
 
 
+def mini_batches(groups: torch.Tensor, n: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """n mini-batches of the rows: whole groups (whose rows share their prompt in `layout`) in a random order."""
+    if n == 1:
+        return [torch.arange(len(groups))]
+    key = torch.randperm(len(groups), generator=generator)[groups.unique(return_inverse=True)[1]]
+    return list(torch.argsort(key, stable=True).tensor_split(n))   # exactly n parts (chunk may give fewer)
+
+
 def share_pays(prefix: int, suffixes: list[int], hidden: int) -> bool:
     """Whether one row (the prefix once, then each suffix) costs less than a row each: it saves
     (n-1) * prefix token passes (a decoder layer's ~24 hidden^2 flops each) and adds attention scores

@@ -122,6 +122,9 @@ class ValueModel(torch.nn.Module):
         return self.head(hidden.float()).squeeze(-1)                      # [b, T]: V before token t+1
 
 
+GAP_KEYS = ("gap_abs", "gap_k3", "gap_entropy", "gap_tokens")   # --old_logprobs engine: train_step measures these
+
+
 class Trainer(sync.WeightSender, checkpoint.Checkpoints):
     """One trainer rank. `cfg` is the dict of main.py's flags.
 
@@ -158,18 +161,10 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         self.dtype = getattr(torch, cfg["param_dtype"])
         self.tokenizer = AutoTokenizer.from_pretrained(cfg["model"])
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        # A vision-language model: its image processor turns a trajectory's images into the
-        # pixel inputs of the forward (vision.py holds the image-token convention).
-        self.image_processor = self.image_token_id = None
+        self.image_processor = self.image_token_id = None   # a vision-language model's: images -> pixel inputs
         if hasattr(config, "vision_config"):
-            from transformers import AutoImageProcessor
-            self.image_processor = AutoImageProcessor.from_pretrained(cfg["model"])
-            self.image_token_id = config.image_token_id
-            from PIL import Image
-            self.dummy_image = vision.to_data_uri(Image.new("RGB", (56, 56)))
-            count = vision.image_inputs(self.image_processor, [self.dummy_image])["counts"][0]
-            self.dummy_image_ids = ([config.vision_start_token_id] + [config.image_token_id] * count
-                                    + [config.vision_end_token_id])
+            self.image_processor, self.image_token_id, self.dummy_image, self.dummy_image_ids = \
+                vision.trainer_parts(cfg["model"], config)
         model = without_dropout(load_model(cfg["model"]))
         lora.add_adapters(model, lora.peft_config(cfg))  # --lora_rank: only the adapters train (lora.py)
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
@@ -267,6 +262,9 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         keys = ("old", "entropy", "ref", "values")
         out = {k: torch.zeros_like(batch["mask"]) for k in keys}
         bypass = self.cfg.get("old_logprobs") == "engine"   # exactly on-policy: the engine's are the old policy's
+        if bypass and ((batch["versions"] != self.version) & (batch["mask"] > 0)).any():
+            raise RuntimeError("--old_logprobs engine: some tokens were sampled by another policy version than the "
+                               f"trainer's {self.version}, so their logprobs are not the old policy's")
         for mb in batches.plan(self.cfg, self.dims, torch.arange(B), batch["lengths"]):
             x = self._inputs(batch, mb)
             own, i = x["own"], x["idx"]
@@ -294,9 +292,6 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         if cfg.get("routing_replay") and "routing" not in batch:
             raise ValueError("--routing_replay: these trajectories carry no 'routing' (expert selections at sampling)")
         scored = self._score(batch)
-        if cfg["old_logprobs"] == "engine" and ((batch["versions"] != self.version) & (mask > 0)).any():
-            raise RuntimeError("--old_logprobs engine: some tokens were sampled by another policy version than the "
-                               f"trainer's {self.version}, so their logprobs are not the old policy's")
         old, ref, old_values = scored["old"], scored["ref"], scored["values"]
 
         weights, is_metrics = losses.is_weights(old, batch["rollout_logprobs"], mask,
@@ -321,10 +316,7 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         shuffle = torch.Generator().manual_seed(cfg["seed"] * 100_003 + self.version)
         totals, norms, updates = defaultdict(float), defaultdict(float), 0
         for _ in range(cfg["ppo_epochs"]):
-            # whole groups in a random order: a mini-batch holds groups, whose rows share their prompt (layout)
-            key = torch.randperm(B, generator=shuffle)[batch["groups"].unique(return_inverse=True)[1]]
-            order = torch.argsort(key, stable=True) if n_mini > 1 else torch.arange(B)
-            for rows in order.tensor_split(n_mini):  # exactly n_mini parts (chunk may give fewer)
+            for rows in batches.mini_batches(batch["groups"], n_mini, shuffle):
                 step_tokens, step_rows = mask[rows].sum().clamp(min=1), len(rows)
                 for mb in batches.plan(self.cfg, self.dims, rows, batch["lengths"]):
                     x = self._inputs(batch, mb)
@@ -343,17 +335,13 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         self.version += 1
         keys = sorted(totals)  # the same keys on every rank
         totals = dict(zip(keys, self._reduce(torch.tensor([totals[k] for k in keys], dtype=torch.float64)).tolist()))
-        gap = [totals.pop(k, 0.0) for k in ("gap_abs", "gap_k3", "gap_entropy", "gap_tokens")]
+        gap = [totals.pop(k) for k in GAP_KEYS] if cfg["old_logprobs"] == "engine" else None
 
         metrics = {k: v / updates for k, v in {**totals, **norms}.items()}
         metrics.update(optimizer_steps=updates, mini_batches=n_mini, train_s=time.perf_counter() - t0,
-                       **{k: float(v) for k, v in is_metrics.items()},
-                       **step_metrics(batch, scored, advantages, self.version, self.ref is not None, self.critic is not None))
-        if cfg["old_logprobs"] == "engine":  # not old - sampled (0 here) but the first update's gap to the engine
-            del metrics["mismatch_max"]
-            n = max(gap[3], 1.0)
-            metrics.update(mismatch_abs=gap[0] / n, mismatch_fresh_abs=gap[0] / n, mismatch_k3=gap[1] / n,
-                           entropy=gap[2] / n)
+                       **{k: float(v) for k, v in is_metrics.items()})
+        metrics.update(step_metrics(batch, scored, advantages, self.version, self.ref is not None,
+                                    self.critic is not None, gap))
         if cfg.get("dump_rollouts"):  # what the rollout viewer shows per token, aligned to `tokens` (not predicted)
             rows = lambda v: [[0.0] + [round(x, 5) for x in row[:n]] for row, n in zip(v.tolist(), batch["lengths"].tolist())]
             metrics["per_token"] = {"advantages": rows(advantages * mask + 0.0), "trainer_logprobs": rows(old * mask + 0.0)}
@@ -378,8 +366,7 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
             parts["entropy_loss"] = -cfg["entropy_coef"] * agg(ent)
         if gap:  # the engine/trainer gap and entropy, measured on the first mini-batch's tokens
             d = ((lp.detach() - old[i].to(dev)) * m).double()   # k3 ~ d^2 / 2: below float32's resolution at 1e-6
-            parts.update(gap_abs=d.abs().sum(), gap_k3=(torch.expm1(d) - d).sum(), gap_entropy=(ent.detach() * m).sum(),
-                         gap_tokens=m.sum())
+            parts.update(zip(GAP_KEYS, (d.abs().sum(), (torch.expm1(d) - d).sum(), (ent.detach() * m).sum(), m.sum())))
         return parts
 
     def _critic_loss(self, batch, x, old_values, returns, step_tokens) -> dict:
@@ -453,23 +440,28 @@ def optimizer_step(model, optimizer, grad_clip: float, dims) -> float:
     return norm
 
 
-def step_metrics(batch: dict, scored: dict, advantages: torch.Tensor, version: int, ref: bool, critic: bool) -> dict:
-    """What a step says about its batch's action tokens (`scored`: Trainer._score's; `version`: after the step)."""
+def step_metrics(batch: dict, scored: dict, advantages: torch.Tensor, version: int, ref: bool, critic: bool,
+                 gap: list | None = None) -> dict:
+    """What a step says about its batch's action tokens (`scored`: Trainer._score's; `version`: after the step).
+    `gap`: with --old_logprobs engine (old = sampled), the first update's sums of GAP_KEYS give the mismatch."""
     action, old, sampled = batch["mask"].bool(), scored["old"], batch["rollout_logprobs"]
     metrics = {
         "advantage_mean": advantages[action].mean().item(),
         "advantage_abs": advantages[action].abs().mean().item(),
         "action_tokens": int(action.sum()),
         "staleness": (version - 1 - batch["versions"][action]).float().mean().item(),
-        "mismatch_max": (old - sampled)[action].abs().max().item(),
     }
-    # Tokens sampled by exactly the trainer's pre-step weights: the numeric engine/trainer gap,
-    # without the policy lag that async and partial rollout add to mismatch_abs.
-    if scored["entropy"] is not None:  # with --old_logprobs engine, train_step measures it
-        metrics["entropy"] = scored["entropy"][action].mean().item()
-    fresh = action & (batch["versions"] == version - 1)
-    if fresh.any():
-        metrics["mismatch_fresh_abs"] = (old - sampled)[fresh].abs().mean().item()
+    if gap is not None:
+        n = max(gap[3], 1.0)
+        metrics.update(mismatch_abs=gap[0] / n, mismatch_fresh_abs=gap[0] / n, mismatch_k3=gap[1] / n, entropy=gap[2] / n)
+    else:
+        metrics.update(mismatch_max=(old - sampled)[action].abs().max().item(),
+                       entropy=scored["entropy"][action].mean().item())
+        # Tokens sampled by exactly the trainer's pre-step weights: the numeric engine/trainer gap,
+        # without the policy lag that async and partial rollout add to mismatch_abs.
+        fresh = action & (batch["versions"] == version - 1)
+        if fresh.any():
+            metrics["mismatch_fresh_abs"] = (old - sampled)[fresh].abs().mean().item()
     if ref:
         metrics["ref_kl_k3"] = losses.kl(old, scored["ref"], "k3")[action].mean().item()
     if critic:

@@ -246,6 +246,17 @@ def image_inputs(processor, images: list[ImageSpec]) -> dict[str, Any]:
     return {"pixel_values": out["pixel_values"], "image_grid_thw": grid, "counts": counts}
 
 
+def trainer_parts(model: str, config) -> tuple:
+    """A VLM trainer's image processor and image token id, and a blank image with its expanded ids (the row a
+    rank adds when its micro-batch has no image: every rank must run the FSDP-sharded vision blocks)."""
+    from transformers import AutoImageProcessor
+    processor = AutoImageProcessor.from_pretrained(model)
+    blank = to_data_uri(Image.new("RGB", (56, 56)))
+    count = image_inputs(processor, [blank])["counts"][0]
+    return (processor, config.image_token_id, blank,
+            [config.vision_start_token_id] + [config.image_token_id] * count + [config.vision_end_token_id])
+
+
 def mm_forward_kwargs(input_ids: torch.Tensor, images: list[list[ImageSpec]], processor,
                       image_token_id: int) -> dict[str, torch.Tensor]:
     """Extra forward kwargs of a [B, T] batch of expanded ids whose row b shows images[b] (possibly none).

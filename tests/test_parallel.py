@@ -234,6 +234,14 @@ def test_micro_batches_by_rows_or_tokens_and_every_rank_runs_as_many():
     assert plans == [[[0], []], [[1, 2], [3]]]   # an empty micro-batch keeps the ranks' collectives paired
 
 
+def test_mini_batches_hold_whole_groups_in_a_random_order():
+    groups, g = torch.tensor([5, 5, 5, 7, 7, 7, 9, 9, 9]), torch.Generator().manual_seed(0)
+    parts = [batches.mini_batches(groups, 3, g) for _ in range(8)]
+    assert all(sorted(torch.cat(p).tolist()) == list(range(9)) and all(len(set(groups[q].tolist())) == 1 for q in p)
+               for p in parts)
+    assert len({tuple(p[0].tolist()) for p in parts}) > 1 and batches.mini_batches(groups, 1, g)[0].tolist() == list(range(9))
+
+
 def test_single_process_modes_match(tiny_model, references):
     """Packing (one row, reset positions, block-diagonal mask), token-budget micro-batches and rows
     that do not share their group's prompt (--no-share_prefix) equal the default path in one process too."""
