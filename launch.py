@@ -63,7 +63,7 @@ def start_ray(cfg: dict):
     loopback = [n for n, addrs in psutil.net_if_addrs().items() if any(a.address == "127.0.0.1" for a in addrs)]
     gloo = {} if cfg["ray_address"] or "GLOO_SOCKET_IFNAME" in os.environ else {"GLOO_SOCKET_IFNAME": loopback[0]}
     with mock.patch.object(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", cfg["ray_address"] is not None), \
-            mock.patch.dict(os.environ, gloo):
+            mock.patch.dict(os.environ, {**gloo, **tcmalloc(cfg)}):
         # "local": a new local cluster, never one found in /tmp/ray/ray_current_cluster (a stale file
         # there made ray.init retry a dead GCS for minutes, deaf to Ctrl-C and SIGTERM)
         ray.init(address=cfg["ray_address"] or "local", include_dashboard=False, logging_level=logging.WARNING,
@@ -74,6 +74,16 @@ def start_ray(cfg: dict):
           if cfg["ray_address"] is None else f"ray: joined {cfg['ray_address']} ({at}): Ray listens on every "
           f"interface, this node as {ray.util.get_node_ip_address()}", file=sys.stderr)
     return ray
+
+
+def tcmalloc(cfg: dict) -> dict:
+    """LD_PRELOAD of tcmalloc (install.sh) for a local CPU cluster's processes, where installed. glibc's malloc
+    maps every freed block over 32 MB back to the OS, so each SmolLM2 train step faulted in ~1M fresh pages:
+    3.5 s a step with tcmalloc, 6-8 s without (docs/performance.md). Not the driver's, nor the agents'."""
+    import ctypes.util
+    import torch
+    lib = None if cfg["ray_address"] or torch.cuda.is_available() else ctypes.util.find_library("tcmalloc_minimal")
+    return {"LD_PRELOAD": " ".join(filter(None, [os.environ.get("LD_PRELOAD"), lib]))} if lib else {}
 
 
 def run(cfg: dict) -> dict:

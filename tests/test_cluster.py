@@ -157,6 +157,29 @@ def test_trainer_actor_trains_with_the_threads_chosen(tiny_model, tmp_path):
         ray.shutdown()
 
 
+def test_a_local_cpu_clusters_workers_run_on_tcmalloc_and_the_driver_does_not(monkeypatch):
+    """launch.start_ray preloads tcmalloc (install.sh installs it) into the local cluster's processes, whose
+    workers are the trainer ranks and engines: glibc's malloc faulted ~1M pages in per SmolLM2 train step.
+    The driver's environment (and so every agent program's) is left as it was."""
+    import ctypes.util
+    import os
+    import ray
+    import faults
+    import launch
+    if not ctypes.util.find_library("tcmalloc_minimal"):
+        pytest.skip("libtcmalloc_minimal is not installed (install.sh installs it with apt)")
+    monkeypatch.setenv(faults.TAG, "tcmalloc-test")
+    before = os.environ.get("LD_PRELOAD")
+    launch.start_ray({"ray_address": None, "train_workers": 1, "num_engines": 1, "verbose": False})
+    try:
+        maps = ray.get(ray.remote(num_cpus=1)(lambda: open("/proc/self/maps").read()).remote())
+        assert "libtcmalloc_minimal" in maps and os.environ.get("LD_PRELOAD") == before
+        assert "libtcmalloc_minimal" not in open("/proc/self/maps").read()
+    finally:
+        ray.shutdown()
+    assert launch.tcmalloc({"ray_address": "auto"}) == {}   # another cluster's nodes may not have it
+
+
 def test_output_dir_on_one_node_only_is_refused():
     facts = [{"ip": "10.0.0.1", "sees": [True]}, {"ip": "10.0.0.2", "sees": [False]}]
     trainer.check_shared_storage(facts[:1], ["/runs/a/.molt-visible-x"])
