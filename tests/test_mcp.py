@@ -39,8 +39,14 @@ def mcp_agent(cmd: str = CALC, max_turns: int | None = None) -> type:
 
 
 def servers() -> list[psutil.Process]:
-    """This process's MCP servers now running."""
-    return [p for p in psutil.Process().children(recursive=True) if "mcp_calculator.py" in " ".join(p.cmdline())]
+    """This process's MCP servers now running (not a zombie child another test left, e.g. a vLLM engine core
+    whose exit nobody reaped yet: its command line cannot be read)."""
+    def command(p: psutil.Process) -> str:
+        try:
+            return " ".join(p.cmdline())
+        except psutil.Error:
+            return ""
+    return [p for p in psutil.Process().children(recursive=True) if "mcp_calculator.py" in command(p)]
 
 
 @pytest.fixture(scope="module")
