@@ -259,22 +259,22 @@ for i in range(1, 21):   # 8 MB more in memory each, outside the process's own a
     os.write(os.memfd_create('x'), b'x' * (8 << 20))
     print('HOLDS', 8 * i, flush=True)
 """
-CHILDREN = """import os, select
-reads = []
+CHILDREN = """import os, select, time
+pids = []
 for _ in range(4):   # four processes of 60 MB each, each under the per-process limit
     r, w = os.pipe()
-    if os.fork() == 0:
+    pid = os.fork()
+    if pid == 0:
         block = bytearray(60 << 20)
         block[::4096] = b'1' * len(block[::4096])
         os.write(w, b'1')
         select.select([], [], [], 10)
         os._exit(0)
-    reads.append(r)
-held = 0
-for r in reads:
-    if select.select([r], [], [], 2)[0] and os.read(r, 1):
-        held += 60
-        print('HOLDS', held, flush=True)
+    pids.append((pid, r))
+    select.select([r], [], [], 2)
+time.sleep(0.2)   # the OOM killer may take one that had reported: count those still holding
+held = [pid for pid, r in pids if select.select([r], [], [], 0)[0] and os.waitpid(pid, os.WNOHANG)[0] == 0]
+print('HOLDS', 60 * len(held), flush=True)
 """
 FORKS = """import os, select
 n = 0
