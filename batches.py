@@ -1,7 +1,7 @@
 """Batch layout: trajectories -> [B, T] tensors -> each rank's micro-batches -> model inputs.
 
 `collate` pads token-exact trajectories (never re-tokenized) into tensors aligned to the
-predicted token; `split_rows` shares rows among ranks by tokens; `plan` is a
+predicted token; `split_rows` shares rows among ranks by tokens, groups kept together; `plan` is a
 rank's micro-batches of one optimizer step (--micro_batch_size or --micro_batch_tokens);
 `layout` is one micro-batch's inputs: padded (CP chunks), a group's common prompt once (--share_prefix)
 or packed (--packing), logits kept only where actions are; `scatter` puts the outputs back on the grid:
@@ -67,15 +67,14 @@ def turn_batch(trajectories: list[dict], T: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def split_rows(rows: torch.Tensor, cost: torch.Tensor, n: int) -> list[torch.Tensor]:
-    """Greedy split of `rows` into n parts of near-equal cost (largest first); order kept inside."""
-    parts: list[list[int]] = [[] for _ in range(n)]
-    loads = [0] * n
-    for j in sorted(range(len(rows)), key=lambda j: -int(cost[j])):
-        i = loads.index(min(loads))
-        parts[i].append(j)
-        loads[i] += int(cost[j])
-    return [rows[sorted(p)] for p in parts]
+def split_rows(rows: torch.Tensor, cost: torch.Tensor, groups: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """`rows` in n runs of near-equal cost, ordered by group: a group is cut only where a run ends, so a
+    rank's rows of a group still share their prompt in `layout` (each run's cost <= an nth + one row's)."""
+    order = torch.argsort(groups, stable=True)
+    rows, cost = rows[order], cost[order].double()
+    middle = cost.cumsum(0) - cost / 2
+    part = (middle * n / cost.sum().clamp(min=1)).long().clamp(max=n - 1)
+    return [rows[part == i] for i in range(n)]
 
 def micro_batches(cfg: dict, rows: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
     """Split rows into micro-batches by --micro_batch_tokens (tokens in the compute:
@@ -95,10 +94,10 @@ def micro_batches(cfg: dict, rows: torch.Tensor, lengths: torch.Tensor) -> list[
     return out + ([torch.tensor(cur)] if cur else [])
 
 
-def plan(cfg: dict, dims, rows: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
+def plan(cfg: dict, dims, rows: torch.Tensor, lengths: torch.Tensor, groups: torch.Tensor) -> list[torch.Tensor]:
     """This rank's micro-batches of `rows` (one optimizer step): rows split across data
     ranks by tokens, then into micro-batches; padded with empty ones to the max count."""
-    parts = split_rows(rows, lengths[rows], dims.dp_shard)
+    parts = split_rows(rows, lengths[rows], groups[rows], dims.dp_shard)
     per_rank = [micro_batches(cfg, p, lengths) for p in parts]
     n = max(len(m) for m in per_rank)
     mine = per_rank[dims.dp_rank]

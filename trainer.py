@@ -265,7 +265,7 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         if bypass and ((batch["versions"] != self.version) & (batch["mask"] > 0)).any():
             raise RuntimeError("--old_logprobs engine: some tokens were sampled by another policy version than the "
                                f"trainer's {self.version}, so their logprobs are not the old policy's")
-        for mb in batches.plan(self.cfg, self.dims, torch.arange(B), batch["lengths"]):
+        for mb in batches.plan(self.cfg, self.dims, torch.arange(B), batch["lengths"], batch["groups"]):
             x = self._inputs(batch, mb)
             own, i = x["own"], x["idx"]
             if not bypass:
@@ -318,7 +318,7 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         for _ in range(cfg["ppo_epochs"]):
             for rows in batches.mini_batches(batch["groups"], n_mini, shuffle):
                 step_tokens, step_rows = mask[rows].sum().clamp(min=1), len(rows)
-                for mb in batches.plan(self.cfg, self.dims, rows, batch["lengths"]):
+                for mb in batches.plan(self.cfg, self.dims, rows, batch["lengths"], batch["groups"]):
                     x = self._inputs(batch, mb)
                     parts = self._micro_loss(batch, x, old, ref, advantages, weights, step_tokens, step_rows,
                                              first=updates == 0)

@@ -230,8 +230,20 @@ def test_micro_batches_by_rows_or_tokens_and_every_rank_runs_as_many():
     assert split(micro_batch_tokens=8, packing=True) == [[0, 1], [2, 3]]   # packed cost: sum of lengths
     lengths = torch.tensor([6, 1, 1, 1])   # rank 0 takes the long row, rank 1 the three short ones
     dims = [SimpleNamespace(dp_shard=2, dp_rank=r) for r in (0, 1)]
-    plans = [[m.tolist() for m in batches.plan({"micro_batch_size": 2}, d, rows, lengths)] for d in dims]
+    plans = [[m.tolist() for m in batches.plan({"micro_batch_size": 2}, d, rows, lengths, rows)] for d in dims]
     assert plans == [[[0], []], [[1, 2], [3]]]   # an empty micro-batch keeps the ranks' collectives paired
+
+
+def test_ranks_get_whole_groups_and_near_equal_tokens():
+    """A group's rows go to one rank (where they share their prompt), cut only where one rank's share ends."""
+    rows, groups = torch.arange(9), torch.tensor([4, 7, 9, 4, 7, 9, 4, 7, 9])
+    parts = batches.split_rows(rows, torch.full((9,), 5), groups, 3)
+    assert [sorted(groups[p].tolist()) for p in parts] == [[4] * 3, [7] * 3, [9] * 3]
+    cost = torch.tensor([9, 1, 1, 1, 1, 1, 1, 1, 1, 1])   # 18 tokens: 9 each, the group 0 cut where rank 0's ends
+    parts = batches.split_rows(torch.arange(10), cost, torch.tensor([0] * 5 + [1] * 5), 2)
+    assert [p.tolist() for p in parts] == [[0], list(range(1, 10))] and sum(len(p) for p in parts) == 10
+    parts = batches.split_rows(torch.arange(2), torch.tensor([3, 3]), torch.tensor([0, 0]), 4)
+    assert sorted(sum((p.tolist() for p in parts), [])) == [0, 1] and len(parts) == 4
 
 
 def test_mini_batches_hold_whole_groups_in_a_random_order():
