@@ -117,14 +117,14 @@ DUAL_CLIP = Setting(None, "dual-clip bound c: the loss of a negative-advantage t
 
 @dataclass(frozen=True)
 class PolicyLoss:
-    """A policy loss and everything main.validate needs to know about it: the defaults a run
-    gets when a flag is not given, its own settings, and why it refuses a flag (None: accepted)."""
-    fn: Callable[..., tuple[Tensor, Tensor, Tensor]]  # (log_ratio, logprobs, A, m, lo, hi, **settings)
+    """A policy loss and what main.validate and the trainer need to know: defaults, settings, refusals, inputs."""
+    fn: Callable[..., tuple[Tensor, Tensor, Tensor]]  # (log_ratio, logprobs, A, m, lo, hi, **settings[, batch])
     eps_clip: Optional[tuple[Optional[float], float]]  # default --eps_clip LOW HIGH (LOW None: no lower
                                                        # bound); None: no clip range, --eps_clip refused
     loss_agg: str = "token_mean"             # default --loss_agg
     no_cp: Optional[str] = None              # why --cp_size > 1 (rows split across ranks) is refused
     settings: dict[str, Setting] = field(default_factory=dict)   # its own flags
+    batch_input: Optional[Callable[..., Tensor]] = None  # (old, A, m, **settings) -> [B, T]: fn's `batch` (policy_loss)
 
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {
@@ -138,11 +138,13 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {
 
 
 def policy_loss(kind: str, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
-                eps_low: Optional[float] = 0.2, eps_high: float = 0.2, **settings) -> tuple[Tensor, dict[str, Tensor]]:
+                eps_low: Optional[float] = 0.2, eps_high: float = 0.2, batch: Optional[Tensor] = None,
+                **settings) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token policy loss [B, T] (minimise it) and metrics; `kind` names an entry of POLICY_LOSSES (ppo,
     gspo, cispo: see their functions), `settings` are that entry's own (e.g. dual_clip). The ratio's band is
     [1 - eps_low, 1 + eps_high]; eps_low=None (only for a loss whose default has no lower bound) leaves the
-    lower bound out."""
+    lower bound out. An entry's `batch_input` (e.g. tokens ranked over the whole batch) reaches its fn as `batch`:
+    these rows of it computed once on the step's whole batch (the trainer's), or, not given, on these rows."""
     if kind not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {kind!r}; choices: {tuple(POLICY_LOSSES)}")
     spec = POLICY_LOSSES[kind]
@@ -152,6 +154,8 @@ def policy_loss(kind: str, logprobs: Tensor, old_logprobs: Tensor, advantages: T
     m, A = mask.bool(), advantages.float()
     # where() before anything else so padding (even -inf logprobs) cannot leak NaN into gradients.
     log_ratio = torch.where(m, logprobs.float() - old_logprobs.float(), 0)  # [B, T]
+    if spec.batch_input is not None:   # not given: these rows are the whole batch
+        settings["batch"] = spec.batch_input(old_logprobs.float(), A, m, **settings) if batch is None else batch
     lo, hi = (0.0 if eps_low is None else 1.0 - eps_low), 1.0 + eps_high
     loss, ratio, clipped = spec.fn(log_ratio, logprobs, A, m, lo, hi, **settings)
     return torch.where(m, loss, 0), {

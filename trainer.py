@@ -309,6 +309,8 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
             rollout_ids=batch["rollout_ids"], kl=kl, kl_coef=kl_coef,
             values=old_values if self.critic is not None else None,
             **{k: batch.get(k) for k in ("turns", "turn_rewards", "states", "nodes")})   # per-turn credit
+        spec = losses.POLICY_LOSSES[cfg["loss"]]   # its whole-batch input: once per step, by the old policy, global
+        whole = spec.batch_input and spec.batch_input(old, advantages, mask > 0, **{k: cfg[k] for k in spec.settings})
 
         # PPO: --ppo_epochs passes over the batch, each split into --mini_batches optimizer
         # steps; every micro-batch (on every rank) is normalized by the tokens (or rows) of
@@ -322,7 +324,7 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
                 for mb in batches.plan(self.cfg, self.dims, rows, batch["lengths"], batch["groups"]):
                     x = self._inputs(batch, mb)
                     parts = self._micro_loss(batch, x, old, ref, advantages, weights, step_tokens, step_rows,
-                                             first=updates == 0)
+                                             whole, first=updates == 0)
                     if self.critic is not None:
                         parts.update(self._critic_loss(batch, x, old_values, returns, step_tokens))
                     sum(v for k, v in parts.items() if k.endswith("loss")).backward()
@@ -348,7 +350,7 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
             metrics["per_token"] = {"advantages": rows(advantages * mask + 0.0), "trainer_logprobs": rows(old * mask + 0.0)}
         return metrics
 
-    def _micro_loss(self, batch, x, old, ref, advantages, weights, step_tokens, step_rows, first) -> dict:
+    def _micro_loss(self, batch, x, old, ref, advantages, weights, step_tokens, step_rows, whole, first) -> dict:
         """Policy loss (+ KL loss, - entropy bonus) of one micro-batch, already normalized."""
         cfg, i = self.cfg, x["idx"]
         gap = first and cfg["old_logprobs"] == "engine"   # the weights that sampled, without a scoring pass
@@ -357,7 +359,8 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         m = (batch["mask"][i] * x["own"]).to(dev)
         (lo, hi), own = cfg["eps_clip"] or (None, 0.0), losses.POLICY_LOSSES[cfg["loss"]].settings
         per_token, pm = losses.policy_loss(cfg["loss"], lp, old[i].to(dev), advantages[i].to(dev), m, eps_low=lo,
-                                           eps_high=hi, **{k: cfg[k] for k in own})
+                                           eps_high=hi, batch=None if whole is None else whole[i].to(dev),
+                                           **{k: cfg[k] for k in own})
         agg = lambda v: aggregate(v, m, batch["mask"][i], cfg["loss_agg"], self.dims.cp, step_tokens, step_rows)
         share = m.sum().item() / step_tokens.item()  # this micro-batch's share of the step's tokens
         parts = {"policy_loss": agg(per_token * weights[i].to(dev)), "clip_frac": float(pm["clip_frac"]) * share}

@@ -150,19 +150,68 @@ def _sampled(trainer, trajs):
     return [[lp for lp, m in zip(row, t["mask"][1:]) if m] for row, t in zip(trainer_logprobs(trainer, trajs), trajs)]
 
 
+def _spy_advantages(monkeypatch, name) -> list:
+    """Wraps ESTIMATORS[name] (its signature kept: it gets the inputs it names); the list gets the advantages
+    [B, T] of each step."""
+    import dataclasses
+    import functools
+    spec, seen = estimators.ESTIMATORS[name], []
+
+    @functools.wraps(spec.fn)
+    def spy(*args, **kw):
+        seen.append(spec.fn(*args, **kw))
+        return seen[-1]
+    monkeypatch.setitem(estimators.ESTIMATORS, name, dataclasses.replace(spec, fn=spy))
+    return seen
+
+
 @pytest.mark.parametrize("loss", losses.POLICY_LOSSES)
 @pytest.mark.parametrize("estimator", SIGNED)
-def test_one_sgd_step_moves_logprobs_with_the_advantage(tiny_model, estimator, loss):
-    """Sampled tokens of positive-advantage rollouts gain log-probability, those of negative ones
-    lose it: a flipped sign anywhere between reward and update fails this."""
+def test_one_sgd_step_moves_logprobs_with_the_advantage(tiny_model, monkeypatch, estimator, loss):
+    """Rewards of both signs in every group: no advantage has the other sign than its reward, and after one
+    SGD step the sampled tokens' logprob changes, weighted by the advantages the step trained with, sum to
+    more than 0 (to first order the step is lr * |g|^2 along g = sum A grad log pi, for every estimator and
+    loss; one token alone may move against a small advantage of its own when larger ones of the other sign
+    outweigh it, so tokens are not checked one by one). A flipped sign anywhere between reward and update
+    fails this: in the estimator the first part, after it the second."""
+    seen = _spy_advantages(monkeypatch, estimator)
     t = _sgd_trainer(tiny_model, estimator=estimator, loss=loss)
     trajs = _signal_trajectories(t, size=max(4, estimators.ESTIMATORS[estimator].min_group + 1) // 2 * 2)
     before = _sampled(t, trajs)
     t.train_step(trajs)
     after = _sampled(t, trajs)
-    for tr, b, a in zip(trajs, before, after):
-        for x, y in zip(b, a):
-            assert (y - x) * tr["reward"] > 1e-4, (tr["reward"], x, y)
+    adv = [[a for a, m in zip(row, tr["mask"][1:]) if m] for row, tr in zip(seen[0][0].tolist(), trajs)]
+    assert all(a * tr["reward"] >= 0 for row, tr in zip(adv, trajs) for a in row) and any(map(any, adv)), adv
+    moved = sum(a * (y - x) for row, b, c in zip(adv, before, after) for a, x, y in zip(row, b, c))
+    assert moved > 1e-4 * sum(abs(a) for row in adv for a in row), (moved, adv, before, after)
+
+
+def test_a_loss_s_whole_batch_input_is_computed_once_per_step_and_each_micro_batch_gets_its_rows(tiny_model,
+                                                                                                monkeypatch):
+    """`PolicyLoss.batch_input` (a loss that ranks the tokens of the whole batch): the trainer computes it once
+    per step, before any update, from the whole batch's old logprobs, advantages and mask (the same for
+    every mini-batch and epoch, however the step is split), and each micro-batch's loss gets its rows as `batch`."""
+    import torch
+    import batches
+    calls, seen = [], []
+
+    def whole(old, A, m):
+        calls.append((old, A, m))
+        return torch.where(m, old + 10 * A, 0)   # [B, T]: says which rows and tokens it holds
+
+    def probe(log_ratio, logprobs, A, m, lo, hi, batch):
+        seen.append(torch.where(m, logprobs.detach() - log_ratio + 10 * A - batch, 0))   # its own rows: 0
+        return losses.ppo(log_ratio, logprobs, A, m, lo, hi)
+    monkeypatch.setitem(losses.POLICY_LOSSES, "probe", losses.PolicyLoss(probe, (0.2, 0.2), batch_input=whole))
+    t = Trainer(trainer_cfg(tiny_model, loss="probe", micro_batch_size=3, ppo_epochs=2))
+    trajs = _trajectories()
+    batch = batches.collate(trajs, t.pad_id, t.dims.cp)
+    expected = t._score(batch)["old"]
+    t.train_step(trajs)
+    (old, A, m), = calls
+    torch.testing.assert_close(old, expected)   # the old policy's, all rows
+    assert torch.equal(m, batch["mask"] > 0) and (A != 0).any()
+    assert len(seen) > 2 * 2 and all(d.abs().max() < 1e-5 for d in seen), [d.abs().max() for d in seen]
 
 
 def test_is_mask_zeroes_out_of_band_tokens_and_weights_in_band_ones_by_their_ratio(tiny_model):

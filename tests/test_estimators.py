@@ -320,7 +320,8 @@ def test_kl_in_reward_is_used_or_refused_as_declared(name):
 @pytest.mark.parametrize("name", sorted(ESTIMATORS))
 def test_critic_and_teacher_are_what_the_estimator_uses(name):
     """critic: the advantages need and use the critic's values; teacher: they are
-    -kl_coef * (log pi - log pi_teacher) whatever the rewards; neither: rewards move them."""
+    -kl_coef * (log pi - log pi_teacher) whatever the rewards; neither: rewards move them (every reward's
+    sign flipped: an estimator that reads only the sign, or ranks, moves too, which a rescaling need not do)."""
     spec, (rewards, mask, kw) = ESTIMATORS[name], _inputs(name)
     grp = _groups(name)
     adv, _ = ESTIMATORS[name](rewards, mask, grp, **kw)
@@ -329,7 +330,7 @@ def test_critic_and_teacher_are_what_the_estimator_uses(name):
     if spec.critic:
         with pytest.raises(ValueError, match="needs critic values"):
             ESTIMATORS[name](rewards, mask, grp, **{**kw, "values": None})
-    other_rewards, _ = ESTIMATORS[name](rewards * 3 + 1, mask, grp, **kw)
+    other_rewards, _ = ESTIMATORS[name](-rewards, mask, grp, **kw)
     assert spec.teacher == torch.equal(adv, other_rewards)
     if spec.teacher:
         close(adv, (-kw["kl_coef"] * kw["kl"] * mask).tolist())

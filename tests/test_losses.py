@@ -265,16 +265,25 @@ def _batch(B=6, T=8, seed=0):
     return lp, old, adv, mask
 
 
+def _whole(kind, old, adv, mask):
+    """The entry's whole-batch input at its default settings (None: it declares none), as the trainer computes it."""
+    spec = POLICY_LOSSES[kind]
+    return spec.batch_input and spec.batch_input(old, adv, mask.bool(), **{k: s.default for k, s in spec.settings.items()})
+
+
 @pytest.mark.parametrize("kind", POLICY_LOSSES)
 @pytest.mark.parametrize("mode", LOSS_AGGS)
 def test_microbatch_invariance(kind, mode):
+    """Split into micro-batches as the trainer splits a step (a whole-batch input computed once on the whole
+    batch, each micro-batch given its rows of it), the gradient is the whole batch's."""
     lp, old, adv, mask = _batch()
     full = lp.clone().requires_grad_(True)
     aggregate(policy_loss(kind, full, old, adv, mask)[0], mask, mode).backward()
 
-    split = lp.clone().requires_grad_(True)
+    whole, split = _whole(kind, old, adv, mask), lp.clone().requires_grad_(True)
     for rows in (slice(0, 2), slice(2, 3), slice(3, 6)):
-        loss, _ = policy_loss(kind, split[rows], old[rows], adv[rows], mask[rows])
+        loss, _ = policy_loss(kind, split[rows], old[rows], adv[rows], mask[rows],
+                              batch=None if whole is None else whole[rows])
         aggregate(loss, mask[rows], mode, num_tokens=mask.sum(), num_seqs=6).backward()
     torch.testing.assert_close(split.grad, full.grad, atol=1e-6, rtol=1e-5)
 
