@@ -22,17 +22,24 @@ import hmac
 import json
 import logging
 import re
+import resource
 import secrets
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
+
+from aiohttp import web
 
 from trajectory import (Generate, PrefixRewrite, Trajectory, decode_reply, delta_ids, encode, end_ids, render,
                         sample)
 
 log = logging.getLogger("molt")
 MAX_BODY = 64 * 2**20   # long conversations with images exceed aiohttp's 1 MiB default
+IDLE_S, BODY_S, SESSION_CONNECTIONS = 30.0, 60.0, 8   # what a client can hold: docs/server.md, "Limits"
+MAX_CONNECTIONS = max(0, resource.getrlimit(resource.RLIMIT_NOFILE)[0]) // 2 or 2**15   # in all: half the driver's fds
+_POOL = ThreadPoolExecutor(MAX_CONNECTIONS, "molt-chat-server")   # requests' CPU work (each holds a connection)
 
 
 class BadRequest(ValueError):
@@ -470,10 +477,16 @@ class ChatSession:
         self.last: tuple | None = None         # (api, body, response) for retries
         self.history: dict[str, list[dict]] = {}   # Responses API: response id -> its conversation
         self.lock = asyncio.Lock()              # one request at a time: the trace is one sequence
-        self.requests = 0
+        self.requests, self.work, self.connections = 0, None, set()   # work: `off_loop`'s; connections: `_check_key`
         self.truncated = False
         self.error: BaseException | None = None   # a generate failure, re-raised by run_chat_agent
         self.in_flight: set[asyncio.Task] | None = set()   # requests waiting for their sample (None: closed)
+
+    async def off_loop(self, fn, *args):
+        """`fn(*args)` (CPU work) on a thread, after the session's previous one ends (a cancelled request's runs on)."""
+        await asyncio.wait([self.work]) if self.work else None
+        self.work = asyncio.get_running_loop().run_in_executor(_POOL, fn, *args)
+        return await asyncio.shield(self.work)
 
     def _uris(self, messages: list[dict]) -> list[str]:
         images = [p["image"] for m in messages if isinstance(m["content"], list)   # canonical image parts, in order
@@ -513,7 +526,7 @@ class ChatSession:
             request = ChatCompletionRequest(model="policy", messages=[], tools=req.tools)
         except ValueError as e:
             raise BadRequest(f"tools: {e}") from None
-        prompt, delta, rendered, new_images = self.prompt(req.messages, req.tools)
+        prompt, delta, rendered, new_images = await self.off_loop(self.prompt, req.messages, req.tools)
         budget = self.max_len - len(prompt)
         if budget <= 0:  # no room for even one token: an empty, cut-off reply; nothing recorded
             self.truncated = True
@@ -692,7 +705,6 @@ def responses_response(reply: Reply, model: str, req: Request, body: dict) -> tu
 
 def error_response(api: str, status: int, message: str):
     """An error in the API's own format, so each SDK raises its usual exception."""
-    from aiohttp import web
     kind = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large"}.get(
         status, "invalid_request_error" if status < 500 else "api_error")
     body = ({"type": "error", "error": {"type": kind, "message": message}} if api == "anthropic"
@@ -707,12 +719,13 @@ def _sse(events: list[Event]) -> bytes:
 
 
 async def _read_json(request) -> dict:
-    """The body as a JSON object; every way a body can be malformed is a BadRequest (413 if too large)."""
-    from aiohttp import web
+    """The body as a JSON object; every way a body can be malformed is a BadRequest (413 if too large, 408 if slow)."""
     try:
-        raw = await request.read()
+        raw = await asyncio.wait_for(request.read(), BODY_S)
     except web.HTTPRequestEntityTooLarge:
         raise BadRequest(f"the request body is over the server's limit of {MAX_BODY // 2**20} MiB", 413) from None
+    except TimeoutError:
+        raise BadRequest(f"the request body did not arrive within {BODY_S:g} s", 408) from None
     try:   # JSON is UTF-8 (or -16/-32, detected); a Content-Type charset is not needed to read it
         body = json.loads(raw)
         json.dumps(body, ensure_ascii=False).encode("utf-8")   # a lone surrogate cannot be tokenized
@@ -726,20 +739,19 @@ async def _read_json(request) -> dict:
     return body
 
 
-def _check_key(request, key: str):
-    """A 401 unless the request carries `key` (the rollout's) as `Authorization: Bearer` (OpenAI SDKs) or
-    `x-api-key` (Anthropic's), compared in constant time."""
+def _check_key(request, session: "ChatSession | None"):
+    """A 401 (its body unread) unless the request carries the rollout's key as `Authorization: Bearer` (OpenAI SDKs)
+    or `x-api-key` (Anthropic's), compared in constant time; a 429 (then closed) past SESSION_CONNECTIONS."""
+    _need(session, f"no open session {request.match_info['session']!r} (closed, or never opened)")   # a 404
     sent = (request.headers.get("Authorization", "").removeprefix("Bearer "), request.headers.get("x-api-key", ""))
-    if not any(hmac.compare_digest(k.encode(), key.encode()) for k in sent):
+    if not any(hmac.compare_digest(k.encode(), session.key.encode()) for k in sent):
         raise BadRequest("missing or wrong API key: send this rollout's key (OPENAI_API_KEY / ANTHROPIC_API_KEY, "
                          "a ChatAgent's ctx.api_key)", 401)
-
-
-def _is_retry(request) -> bool:
-    """Whether the client retries its last request: both stock SDKs send `x-stainless-retry-count` > 0.
-    Without it an identical body is a new sample (an agent may ask the same thing twice on purpose)."""
-    count = request.headers.get("x-stainless-retry-count", "0")
-    return count.isdigit() and int(count) > 0
+    held = {c for c in session.connections if c.transport is not None} | {request.protocol}
+    if len(held) > SESSION_CONNECTIONS:
+        request.protocol.close()   # once this reply is sent
+        raise BadRequest(f"this rollout already has {SESSION_CONNECTIONS} connections open: reuse them", 429)
+    session.connections = held
 
 
 class ChatServer:
@@ -752,24 +764,22 @@ class ChatServer:
         self.model_name, self.host = model_name, host or "127.0.0.1"
         self.parser_names = (tool_parser, reasoning_parser)   # vLLM's parsers of the policy's format
         self.sessions: dict[str, ChatSession] = {}
-        self.url = ""
-        self._runner = None
+        self.url, self._runner = "", None
 
     async def start(self) -> str:
-        from aiohttp import web
         app = web.Application(client_max_size=MAX_BODY)
         route = "/s/{session}/v1/"
         for path, api in (("chat/completions", "openai"), ("messages", "anthropic"), ("responses", "responses"),
                           ("messages/count_tokens", "count_tokens")):
             app.router.add_post(route + path, functools.partial(self._handle, api=api))
-        app.router.add_get(route + "models", self._models)
-        app.router.add_get(route + "models/{model}", self._models)
+        app.router.add_get(route + "models{model:(/.+)?}", self._models)   # the list, or one
         app.router.add_route("*", "/{tail:.*}", self._not_found)
         sock = socket.socket()
         sock.bind((self.host, 0))   # a free port; loopback unless told (--agent_resources, --server_host)
         # A client that disconnects (a timeout, a cancelled call) cancels its request: its reply is never trained.
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, keepalive_timeout=IDLE_S)
         await self._runner.setup()
+        self._runner.server.connection_made = self._connection_made
         await web.SockSite(self._runner, sock).start()
         self.url = f"http://{self.host}:{sock.getsockname()[1]}"
         if self.host != "127.0.0.1":   # on every interface (0.0.0.0), clients connect at this node's Ray address
@@ -782,6 +792,13 @@ class ChatServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner, self.url = None, ""
+
+    def _connection_made(self, handler, transport):
+        """aiohttp's; past MAX_CONNECTIONS the oldest connection with no request in progress closes (else this one)."""
+        type(server := self._runner.server).connection_made(server, handler, transport)
+        if len(held := [h for h in server.connections if h.transport]) > MAX_CONNECTIONS:   # (closed ones aside)
+            idle = [h for h in held if h is not handler and not getattr(h, "_request_in_progress", False)]
+            (idle or [handler])[0].force_close()
 
     def open_session(self, generate: Generate, tokenizer, *, sampling: dict, max_len: int,
                      image_tokens=None) -> ChatSession:
@@ -805,32 +822,30 @@ class ChatServer:
         """The response (a JSON object, or SSE events when streamed) to one parsed body."""
         model = str(body.get("model", self.model_name))
         if api == "count_tokens":
-            req = anthropic_request(body, count_only=True)
-            return {"input_tokens": len(session.prompt(req.messages, req.tools)[0])}
+            req = await session.off_loop(anthropic_request, body, True)
+            return {"input_tokens": len((await session.off_loop(session.prompt, req.messages, req.tools))[0])}
         if api == "responses":
-            req, conversation = responses_request(body, session.history)
+            req, conversation = await session.off_loop(responses_request, body, session.history)
             reply = await session.complete(req)
             rid, response = responses_response(reply, model, req, body)
             session.history[rid] = conversation + [{"role": "assistant", "content": reply.text,
                                                     **({"tool_calls": reply.tool_calls} if reply.tool_calls else {})}]
             return response
-        req = (openai_request if api == "openai" else anthropic_request)(body)
+        req = await session.off_loop(openai_request if api == "openai" else anthropic_request, body)
         return (openai_response if api == "openai" else anthropic_response)(await session.complete(req), model, req)
 
     async def _handle(self, request, api: str):
-        from aiohttp import web
         from jinja2 import TemplateError
         session = self.sessions.get(request.match_info["session"])
         fmt = "anthropic" if api in ("anthropic", "count_tokens") else "openai"
         cached = False
         try:
-            _need(session, f"no open session {request.match_info['session']!r} (closed, or never opened)")
-            _check_key(request, session.key)
-            body = await _read_json(request)
-            ignored = check_fields(api, body)
-            key = json.dumps(body, sort_keys=True)
-            async with session.lock:
-                if api != "count_tokens" and session.last and session.last[:2] == (api, key) and _is_retry(request):
+            _check_key(request, session)
+            async with session.lock:   # one request at a time: its body, then its CPU work (off the loop)
+                body = await _read_json(request)
+                ignored, key = check_fields(api, body), json.dumps(body, sort_keys=True)
+                retry = request.headers.get("x-stainless-retry-count", "").lstrip("0").isdigit()   # > 0 (both SDKs)
+                if api != "count_tokens" and session.last and session.last[:2] == (api, key) and retry:
                     response, cached = session.last[2], True   # a retry: same reply, recorded once
                 else:
                     response = await self._reply(session, api, body)
@@ -853,20 +868,15 @@ class ChatServer:
 
     async def _models(self, request):
         """The one model, in a shape both SDKs parse (OpenAI's list and Anthropic's page)."""
-        from aiohttp import web
         model = {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "molt",
                  "type": "model", "display_name": self.model_name, "created_at": "1970-01-01T00:00:00Z"}
         session = self.sessions.get(request.match_info["session"])
-        if session is None:
-            return error_response("openai", 404, "no open session")
         try:
-            _check_key(request, session.key)
+            _check_key(request, session)
         except BadRequest as e:
-            return error_response("openai", e.status, str(e))
-        if "model" in request.match_info:
-            return web.json_response(model)
-        return web.json_response({"object": "list", "data": [model], "has_more": False,
-                                  "first_id": self.model_name, "last_id": self.model_name})
+            return error_response("openai", 404 if session is None else e.status, str(e))
+        return web.json_response(model if request.match_info["model"] else {"object": "list", "data": [model],
+                                 "has_more": False, "first_id": self.model_name, "last_id": self.model_name})
 
     async def _not_found(self, request):
         api = "anthropic" if "/messages" in request.path else "openai"
