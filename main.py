@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "logprobs: one forward less per step, verl's bypass mode; only on-policy: --async_depth 0, no "
                    "replay; sound where trainer and engine agree, as in float32 (gap ~1e-6): the IS correction sees "
                    "no gap, the mismatch and entropy metrics come from the first mini-batch). auto: engine when "
-                   "on-policy with float32 trainer and engine and no --spec_decode, else recompute")
+                   "on-policy with float32 trainer and engine, --top_p 1 and no --spec_decode, else recompute")
     g.add_argument("--is_band", type=float, nargs=2, default=[0.0, 2.0], metavar=("LOW", "HIGH"),
                    help="IS weight band (trunc uses HIGH only)")
 
@@ -393,7 +393,10 @@ def validate(cfg: dict) -> dict:
     on_policy = cfg["async_depth"] == 0 and not cfg["replay_rollouts"]
     exact = {cfg["param_dtype"], cfg["engine_dtype"] or "float32"} == {"float32"} and not cfg["spec_decode"]
     if cfg["old_logprobs"] == "auto":
-        cfg["old_logprobs"] = "engine" if on_policy and exact else "recompute"
+        cfg["old_logprobs"] = "engine" if on_policy and exact and cfg["top_p"] == 1 else "recompute"
+    need(cfg["old_logprobs"] != "engine" or cfg["top_p"] == 1, f"--old_logprobs engine with --top_p {cfg['top_p']}: "
+         "the engine's logprobs are of the truncated nucleus, not the full softmax the trainer scores, so the "
+         "ratio would be wrong (mean 0.51 at --top_p 0.5); use --old_logprobs recompute")
     need(cfg["old_logprobs"] != "engine" or on_policy, "--old_logprobs engine needs an on-policy step "
          "(--async_depth 0, no --replay_rollouts): otherwise the engine's logprobs are not the old policy's; "
          "use --old_logprobs recompute")

@@ -4,6 +4,7 @@ One engine serves the whole module (start-up is ~15 s on CPU); one event loop
 drives it, since vLLM's async engine binds to the loop it first runs on."""
 
 import asyncio
+import math
 import time
 
 import pytest
@@ -44,14 +45,14 @@ def trainer(tiny_model):
     return Trainer(trainer_cfg(tiny_model))
 
 
-def _sample(engine, loop, tokenizer, n=8):
+def _sample(engine, loop, tokenizer, n=8, top_p=1.0):
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "3?7="}],
                                            add_generation_prompt=True, tokenize=True)["input_ids"]
 
     async def many():  # the loop's path: one batch, the n identical requests one vLLM request with n samples
         out, errors = {}, []
         greedy = [(f"g{i}", prompt, {"temperature": 0.0, "max_tokens": 4}, None) for i in range(2)]  # (vLLM: n=1 only)
-        async for part in engine.generate_batch([(f"s{i}", prompt, {"temperature": TEMPERATURE, "max_tokens": 12},
+        async for part in engine.generate_batch([(f"s{i}", prompt, {"temperature": TEMPERATURE, "max_tokens": 12, "top_p": top_p},
                                                   None) for i in range(n)] + greedy):
             out.update({rid: result for rid, result, error in part if error is None})
             errors += [error for _, _, error in part if error is not None]
@@ -92,6 +93,21 @@ def test_sampling_logprobs_match_trainer_before_and_after_sync(engine, trainer, 
     assert all(v == 1 for t in fresh for v, m in zip(t["versions"], t["mask"]) if m)
     worst, mean = _gap(trainer, fresh)
     assert mean < 1e-4 and worst < 1e-3, (mean, worst)
+
+
+def test_under_top_p_the_engine_logprobs_are_the_nucleus_so_auto_recomputes(engine, loop, tiny_tokenizer, tiny_model):
+    """vLLM returns the logprobs of the truncated, renormalised nucleus; the trainer scores the full softmax.
+    As the old policy's they would put the PPO ratio near 0.5 on every token, so --old_logprobs auto
+    recomputes under --top_p < 1, on-policy in float32 as it is here."""
+    trajs = _sample(engine, loop, tiny_tokenizer, top_p=0.5)
+    cfg = trainer_cfg(tiny_model, top_p=0.5, is_level="off", param_dtype="float32", old_logprobs="auto")
+    assert cfg["old_logprobs"] == "recompute"
+    assert trainer_cfg(tiny_model, is_level="off", param_dtype="float32", old_logprobs="auto")["old_logprobs"] == "engine"
+    trainer = Trainer(cfg)
+    ratios = [math.exp(r[t - 1] - tr["logprobs"][t]) for tr, r in zip(trajs, trainer_logprobs(trainer, trajs))
+              for t in range(1, len(tr["tokens"])) if tr["mask"][t]]
+    assert sum(ratios) / len(ratios) < 0.9 and max(ratios) < 1 + 1e-4   # a nucleus logprob is never below the full one's
+    assert trainer.train_step(trajs)["mismatch_abs"] > 0.05   # the old logprobs are the trainer's: the gap is measured
 
 
 def test_weight_sync_matches_a_plain_transformers_forward(engine, trainer, loop, tiny_tokenizer, tmp_path):

@@ -81,6 +81,10 @@ def test_unsound_algorithm_combinations_are_refused(capsys, tiny_model, argv, me
     (["--loss", "gspo", "--eps_clip", "0.2", "0.2"], "eps_clip", [0.2, 0.2]),
     (["--loss", "gspo", "--loss_agg", "token_mean"], "loss_agg", "token_mean"),
     (["--top_p", "0.9", "--is_level", "off"], "top_p", 0.9),
+    # the engine's logprobs are the old policy's only where it samples the full softmax in float32, on-policy
+    (["--param_dtype", "float32"], "old_logprobs", "engine"),
+    (["--param_dtype", "float32", "--top_p", "0.9", "--is_level", "off"], "old_logprobs", "recompute"),
+    (["--param_dtype", "bfloat16"], "old_logprobs", "recompute"),
 ])
 def test_algorithm_defaults_are_filled_soundly(tiny_model, argv, key, value):
     assert main.validate(vars(main.build_parser().parse_args(["--model", tiny_model, *argv])))[key] == value
@@ -97,6 +101,7 @@ def test_algorithm_defaults_are_filled_soundly(tiny_model, argv, key, value):
     (["--branch_turns", "2"], "--branch_turns [2]: needs --branches > 1"),
     (["--branches", "2", "--branch_turns", "0"], "turns >= 1"),
     (["--branches", "0"], "--branches must be >= 1"),
+    (["--old_logprobs", "engine", "--top_p", "0.5", "--is_level", "off"], "--old_logprobs engine with --top_p 0.5"),
 ])
 def test_unsound_loop_combinations_are_refused(capsys, tiny_model, argv, message):
     assert message in _err(capsys, ["--model", tiny_model, *argv])
