@@ -347,7 +347,9 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
                                     self.critic is not None, gap))
         if cfg.get("dump_rollouts"):  # what the rollout viewer shows per token, aligned to `tokens` (not predicted)
             rows = lambda v: [[0.0] + [round(x, 5) for x in row[:n]] for row, n in zip(v.tolist(), batch["lengths"].tolist())]
-            metrics["per_token"] = {"advantages": rows(advantages * mask + 0.0), "trainer_logprobs": rows(old * mask + 0.0)}
+            metrics["per_token"] = {"advantages": rows(advantages * mask + 0.0)}
+            if cfg["old_logprobs"] != "engine":   # there `old` is the engine's: the trainer's were not measured
+                metrics["per_token"]["trainer_logprobs"] = rows(old * mask + 0.0)
         return metrics
 
     def _micro_loss(self, batch, x, old, ref, advantages, weights, step_tokens, step_rows, whole, first) -> dict:

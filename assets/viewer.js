@@ -146,7 +146,7 @@ function stepPage() {
     <span id="legend"></span><br><label>reward ≥ <input id="min" type="number" step="any" value="${esc(hash.get("min") ?? "")}"></label>
     <label>≤ <input id="max" type="number" step="any" value="${esc(hash.get("max") ?? "")}"></label>
     <label>prompt contains <input id="q" value="${esc(hash.get("q") ?? "")}"></label><span id="shown"></span></header>`
-    + (DATA.missing.length ? `<p class="missing">this dump has no ${DATA.missing.join(", ")} (dumped by an older version): those colours are blank</p>` : "")
+    + (DATA.missing.length ? `<p class="missing">this dump has no ${DATA.missing.join(", ")}: those colours are blank (trainer_logprobs are not measured under --old_logprobs engine, the old policy's logprobs being the engine's; or an older version dumped it)</p>` : "")
     + order().map(([i, depth]) => `<details class="rollout${depth ? " branch" : ""}${DATA.rollouts[i].dropped ? " dropped" : ""}" id="r${i}" data-i="${i}"`
       + ` style="margin-left:${2 * depth}em"><summary>${summary(i)}</summary><div class="body"></div></details>`).join("");
   const open = (hash.get("open") || "").split(",");

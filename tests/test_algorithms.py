@@ -353,3 +353,6 @@ def test_dumped_per_token_advantages_and_trainer_logprobs_align_with_the_tokens(
             else:
                 assert a != 0 and math.copysign(1, a) == math.copysign(1, traj["reward"])
                 assert abs(x - sampled) < 1e-4 and x < 0
+    # --old_logprobs engine: the old logprobs are the sampled ones, so there is no trainer logprob to dump
+    bypass = Trainer(trainer_cfg(tiny_model, estimator="grpo", dump_rollouts=tmp_path, old_logprobs="engine"))
+    assert set(bypass.train_step(_signal_trajectories(bypass))["per_token"]) == {"advantages"}

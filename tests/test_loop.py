@@ -76,9 +76,8 @@ def test_short_run_trains_logs_and_cleans_up(tiny_model, tmp_path, monkeypatch, 
     # The dump has what the viewer shows: each token's advantage and trainer logprob, and the dropped rollouts.
     trained = [t for trajs in _dumped(tmp_path / "dump") for t in trajs]
     assert len(trained) == sum(m["rollouts"] for m in lines)
-    for t in trained:
-        assert len(t["advantages"]) == len(t["trainer_logprobs"]) == len(t["tokens"])
-        assert all(abs(a - b) < 1e-4 if m else a == b == 0 for a, b, m in zip(t["trainer_logprobs"], t["logprobs"], t["mask"]))
+    for t in trained:   # float32 on-policy: --old_logprobs auto is engine, so the trainer's were not measured
+        assert len(t["advantages"]) == len(t["tokens"]) and "trainer_logprobs" not in t
     dropped = [t for trajs in _dumped(tmp_path / "dump", dropped=True) for t in trajs]
     assert len(dropped) == lines[-1]["dropped/error"]
     assert all(d["dropped"] == "error" and d["prompt"].startswith("1") and "agent bug" in d["detail"] for d in dropped)
