@@ -58,6 +58,11 @@ class Stopped(KeyboardInterrupt):
         super().__init__(f"stopped by {signal.Signals(signum).name}")
 
 
+class RunFailed(RuntimeError):
+    """The run stopped on purpose (nothing left to train on): main.py prints its one line, the traceback
+    goes to the run's error.log."""
+
+
 phase = "start-up"  # what the driver is doing, for the one line a stopped run prints
 received: int | None = None  # the stop signal, once one came
 _loop_task: asyncio.Task | None = None  # the driver's loop while it runs (cancel_on_stop)

@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 from unittest import mock
 
@@ -155,6 +156,10 @@ def run_tagged(cfg: dict) -> dict:
         final = ray.get(trainer.call("export", cfg["export_hf"])) if cfg["export_hf"] else None
         if engines is not None:
             engines.shutdown()
+    except faults.RunFailed as e:
+        e.log = out / "error.log"
+        e.log.write_text(traceback.format_exc())
+        raise
     finally:
         ray.shutdown()
     if history and not cfg.get("no_plot"):

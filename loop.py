@@ -180,12 +180,12 @@ async def collect(pool: RolloutPool, cfg: dict, version: int, first_step: bool, 
                 pool.keep_dropped("filtered", [vars(t) for t in group["trajectories"]])
             empty += not rewards
             if empty >= P and first_step and not groups:
-                raise RuntimeError(f"every rollout of the first {empty} groups failed "
+                raise faults.RunFailed(f"every rollout of the first {empty} groups failed "
                                    f"(dropped rollouts: {dict(pool.drops)}); the last failure: {pool.last_failure}")
             why = (f"the last group's {len(rewards)} rewards were all {rewards[0]:g} (--filter_groups)" if rewards
                    else f"the last failure: {pool.last_failure}")
             if pool.failed_in_a_row >= cfg["max_failed_groups"]:
-                raise RuntimeError(f"the last {pool.failed_in_a_row} groups gave nothing to train: every rollout "
+                raise faults.RunFailed(f"the last {pool.failed_in_a_row} groups gave nothing to train: every rollout "
                                    "failed or, with --filter_groups, all rewards were equal (--max_failed_groups "
                                    f"{cfg['max_failed_groups']}; dropped rollouts so far: {dict(pool.drops)}, groups "
                                    f"filtered: {pool.filtered}); {why}")

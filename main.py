@@ -560,4 +560,6 @@ if __name__ == "__main__":
     except faults.Stopped as e:  # SIGINT/SIGTERM: the run has cleaned up; say what happened in one line
         print(f"molt: {getattr(e, 'message', e)}", file=sys.stderr)
         sys.exit(128 + e.signum)
+    except faults.RunFailed as e:   # on purpose: one line, as start-up errors; the traceback in the run's folder
+        sys.exit(f"molt: the run stopped: {e}\n(traceback: {e.log})")
     sys.exit(0)

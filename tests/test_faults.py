@@ -146,7 +146,10 @@ def test_agents_that_break_after_step_one_stop_the_run(tiny_model, tmp_path):
     err = run.stderr()
     assert rc == 1, err[-3000:]
     assert [m["step"] for m in metric_lines(out)] == [1], err[-3000:]
-    assert "the last 5 groups gave nothing to train: every rollout failed" in err, err[-3000:]
+    assert "molt: the run stopped: the last 5 groups gave nothing to train: every rollout failed" in err, err[-3000:]
+    # stopped on purpose: one line, not the framework's traceback, which is in the run's error.log
+    assert 'launch.py", line' not in err and 'launch.py", line' in (out / "error.log").read_text()
+    assert f"(traceback: {out / 'error.log'})" in err
     assert "(--max_failed_groups 5;" in err and "the last failure:" in err
     assert "'error':" in err and "'timeout':" in err            # the counts, by reason
     assert "ValueError: agent bug at call" in err                # the raising agent's traceback
