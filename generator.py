@@ -125,6 +125,7 @@ class Generator:
         for n samples: one prefill instead of n, each sample with its own tokens, logprobs and
         versions (async default task: 0.27-0.37 s/step against 0.42-0.45 unmerged, the engine
         actor's CPU halved). Not with a seed, images or greedy sampling."""
+        self._check_adapter()
         same: dict[tuple, tuple] = {}
         for rid, prompt, sampling, images in requests:
             key = ((rid,) if images or "seed" in sampling or sampling.get("temperature", 1.0) < 1e-5  # vLLM: greedy is n=1
@@ -159,7 +160,12 @@ class Generator:
 
     async def generate(self, prompt_ids: list[int], sampling: dict, images: list | None = None) -> dict:
         """Sample one completion (`_generate` says what comes back)."""
+        self._check_adapter()
         return (await self._generate(prompt_ids, sampling, images, 1))[0]
+
+    def _check_adapter(self):
+        if self.adapter and self.lora_request is None:   # it would stay on the base, its tokens labelled later versions
+            raise RuntimeError("a LoRA engine's request before its first adapter is loaded (launch loads it first)")
 
     async def _generate(self, prompt_ids: list[int], sampling: dict, images: list | None, n: int) -> list[dict]:
         """Sample n completions of one prompt. Each has
@@ -254,7 +260,7 @@ class Generator:
 
     async def warm_up(self) -> int:
         """One short request at start-up: a fresh engine's first forward (seconds) is not a rollout's --agent_timeout."""
-        await self.generate([0, 1, 2], {"max_tokens": 2, "temperature": 1.0})
+        await self._generate([0, 1, 2], {"max_tokens": 2, "temperature": 1.0}, None, 1)   # a LoRA engine's too
         return self.version
 
     def facts(self) -> tuple[int | None, dict]:

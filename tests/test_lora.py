@@ -131,6 +131,20 @@ def test_the_engine_samples_from_the_synced_adapter(lora_engine, loop, tiny_mode
     assert set(loop.run_until_complete(lora_engine.engine.list_loras())) == {lora.ADAPTER_ID}   # one slot, replaced
 
 
+def test_a_request_before_the_first_adapter_is_refused(lora_engine, loop, tiny_tokenizer):
+    """With no adapter loaded a request runs on the base and, under --partial_rollout, stays there after the
+    first update while its later tokens carry the new version: refused (launch loads version 0's first)."""
+    saved, lora_engine.lora_request = lora_engine.lora_request, None
+    try:
+        with pytest.raises(RuntimeError, match="before its first adapter is loaded"):
+            _sample(lora_engine, loop, tiny_tokenizer)
+        with pytest.raises(RuntimeError, match="before its first adapter is loaded"):
+            loop.run_until_complete(lora_engine.generate([0, 1, 2], {"max_tokens": 2}))
+        assert loop.run_until_complete(lora_engine.warm_up()) == lora_engine.version   # start-up's warm-up may
+    finally:
+        lora_engine.lora_request = saved
+
+
 def test_broadcast_sync_with_partial_rollout_and_both_exports(lora_engine, loop, tiny_model, tiny_tokenizer,
                                                               tmp_path):
     """Broadcast path, a request paused across the adapter swap: its tokens match the merged export of
