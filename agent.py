@@ -38,6 +38,7 @@ the agent's `prompts(seed)` or from a `--dataset` file (data.py).
 import asyncio
 import contextlib
 import copy
+import functools
 import importlib.util
 import inspect
 import json
@@ -301,10 +302,11 @@ async def run_chat_agent(agent: ChatAgent, row: dict, generate: Generate, tokeni
     if not math.isfinite(reward):
         raise ValueError(f"agent returned a non-finite reward {result.reward!r}")
     if not segments:
-        raise DropRollout("prompt_too_long", f"{type(agent).__name__}'s requests left no room for a reply within "
-                          f"--max_len {max_len}") if session.truncated else ValueError(
+        e = DropRollout("prompt_too_long", f"{type(agent).__name__}'s requests left no room for a reply within "
+                        f"--max_len {max_len}") if session.truncated else ValueError(
             f"{type(agent).__name__} made no model request: call the API at ctx.base_url (OpenAI) "
             "or ctx.anthropic_base_url (Anthropic)")
+        raise agent.drop(getattr(e, "reason", "error"), str(e)) if isinstance(agent, Program) else e   # its stderr too
     info = {k: float(v) for k, v in result.info.items()}
     info.update(segments=float(len(segments)), requests=float(session.requests))
     if session.truncated:
@@ -353,9 +355,8 @@ def load_agent(path: str) -> type:
     found = [obj for obj in vars(module).values()
              if inspect.isclass(obj) and issubclass(obj, (Env, ChatAgent)) and obj.__module__ == module.__name__]
     if len(found) != 1:
-        names = ", ".join(c.__name__ for c in found) or "none"
-        raise ValueError(f"--agent {path}: expected exactly one Env subclass (or one ChatAgent "
-                         f"subclass) defined in the file, found {names}")
+        raise ValueError(f"--agent {path}: expected exactly one Env subclass (or one ChatAgent subclass) defined "
+                         f"in the file, found {', '.join(c.__name__ for c in found) or 'none'}")
     return found[0]
 
 
@@ -387,7 +388,9 @@ def program(cmd: str, timeout: float, resources: dict | None = None) -> type:
         raise ValueError("--agent_cmd is empty: give the command that runs one rollout")
     if shutil.which(argv[0]) is None and not resources:   # on other nodes the path is theirs
         raise ValueError(f"--agent_cmd {cmd!r}: {argv[0]!r} is not an executable file here or on PATH")
-    return type("Program", (Program,), {"argv": argv, "timeout": timeout, "resources": resources})
+    amounts = dict(resources or {})   # Ray's options asking for exactly these: no CPU or GPU unless named
+    options = {"num_cpus": amounts.pop("CPU", 0), "num_gpus": amounts.pop("GPU", 0), "resources": amounts}
+    return type("Program", (Program,), {"argv": argv, "timeout": timeout, "resources": resources, "options": options})
 
 
 class _Output:
@@ -414,10 +417,8 @@ class _Output:
 
 
 def _reward_object(line: bytes) -> dict | None:
-    if b'"reward"' not in line:
-        return None
-    with contextlib.suppress(ValueError):
-        found = json.loads(line)
+    with contextlib.suppress(ValueError, RecursionError):   # not JSON, or nested too deep: no reward
+        found = json.loads(line) if b'"reward"' in line else None
         return found if isinstance(found, dict) and "reward" in found else None
     return None
 
@@ -449,6 +450,12 @@ async def run_process(argv: list[str], row: dict, env: dict, timeout: float) -> 
     return out, err, failed or (proc.returncode and ("exit", f"exited with {proc.returncode}")) or None
 
 
+@functools.cache
+def _process_task():   # one Ray function for the job, not one per rollout: each ray.remote exports one to the GCS
+    import ray
+    return ray.remote(max_retries=0)(lambda *args: asyncio.run(run_process(*args)))
+
+
 class Program(ChatAgent):
     """A rollout run by a program (`--agent_cmd`; the contract is docs/programs.md), here or on a node with `resources`
     (`run_process`): the server's URLs and this rollout's key in OPENAI_BASE_URL, OPENAI_API_KEY, ANTHROPIC_BASE_URL,
@@ -457,40 +464,50 @@ class Program(ChatAgent):
     drops the rollout (DropRollout) with the stderr's tail."""
     argv: list[str] = []
     timeout: float = 300.0
-    resources: dict | None = None
+    resources: dict | None = None       # and `options`, Ray's for a task on a node with them (`program`)
+    err: _Output | None = None          # this rollout's stderr, once its process ended
 
     async def run(self, ctx: ChatContext) -> Result:
         args = (self.argv, ctx.row, {"OPENAI_BASE_URL": ctx.base_url, "OPENAI_API_KEY": ctx.api_key,   # over its env
                 "ANTHROPIC_BASE_URL": ctx.anthropic_base_url, "ANTHROPIC_API_KEY": ctx.api_key}, self.timeout)
-        if not self.resources:
-            out, err, failed = await run_process(*args)
-        else:
-            import ray
-            amounts = dict(self.resources)   # as given: no CPU or GPU unless named
-            task = ray.remote(lambda *a: asyncio.run(run_process(*a))).options(num_cpus=amounts.pop("CPU", 0),
-                num_gpus=amounts.pop("GPU", 0), resources=amounts, max_retries=0).remote(*args)
-            try:
-                out, err, failed = await task
-            finally:   # dropped or cancelled here: stop it there (not force: its group is killed first)
-                ray.cancel(task)
+        out, self.err, failed = await (self.on_node(args) if self.resources else run_process(*args))
         if failed:
-            raise self.drop(err, *failed)
+            raise self.drop(*failed)
         found = _reward_object(out.last)
         if found is None:
-            raise self.drop(err, "no_reward", "printed no reward: the last line of stdout must be a JSON object "
+            raise self.drop("no_reward", "printed no reward: the last line of stdout must be a JSON object "
                             'like {"reward": 1.0}' + (" (a reward line came earlier)" if out.rewards else ""))
         if out.rewards > 1:
-            raise self.drop(err, "bad_reward", f"printed {out.rewards} reward lines: print exactly one, last")
+            raise self.drop("bad_reward", f"printed {out.rewards} reward lines: print exactly one, last")
         reward, info = found["reward"], found.get("info", {})
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-            raise self.drop(err, "bad_reward", f"printed the reward {reward!r}: it must be a finite number")
+            raise self.drop("bad_reward", f"printed the reward {reward!r}: it must be a finite number")
         if not isinstance(info, dict) or not all(isinstance(v, (int, float)) for v in info.values()):
-            raise self.drop(err, "bad_reward", "printed an info that is not an object of numbers")
+            raise self.drop("bad_reward", "printed an info that is not an object of numbers")
         return Result(reward=float(reward), info=info)
 
-    def drop(self, err: _Output, reason: str, what: str) -> DropRollout:
+    async def on_node(self, args: tuple) -> tuple:   # `run_process(*args)` as a Ray task on a node with `resources`
+        import ray
+        task = _process_task().options(**self.options).remote(*args)
+        try:
+            return await task
+        except ray.exceptions.RayError as e:   # this rollout's, not the engine's: a node, worker or memory failure
+            cause = getattr(e, "cause", None) or e   # a RayTaskError's: what run_process raised (OSError: not started)
+            raise self.drop("exit" if isinstance(cause, OSError) else "node",
+                            f"its Ray task failed: {type(cause).__name__}: {cause}") from None
+        finally:   # dropped or cancelled here: stop it there (not force: its group is killed first)
+            ray.cancel(task)
+
+    @classmethod
+    async def check_node(cls) -> None:   # at start-up (loop.train), as each of its rollouts would fail
+        import ray
+        if cls.resources and await ray.remote(shutil.which).options(**cls.options).remote(cls.argv[0]) is None:
+            raise ValueError(f"--agent_cmd {shlex.join(cls.argv)}: {cls.argv[0]!r} is not an executable file on PATH "
+                             f"of the node --agent_resources {json.dumps(cls.resources)} placed a check on")
+
+    def drop(self, reason: str, what: str) -> DropRollout:
         """The rollout's drop: the stderr's tail, then (last: what the loop logs once per kind) what happened."""
-        tail = err.tail.decode(errors="replace").strip()
+        tail = self.err.tail.decode(errors="replace").strip() if self.err else ""
         return DropRollout(reason, (f"{tail}\n" if tail else "") + f"--agent_cmd {shlex.join(self.argv)}: {what}"
                            + (" (its stderr's tail above)" if tail else ""))
 
@@ -510,13 +527,14 @@ def _mcp_error(argv: list[str], err, e: BaseException | str) -> DropRollout:
 
 async def mcp_tools(servers: list[list[str]], stack: contextlib.AsyncExitStack, timeout: float | None = None) -> dict:
     """Start each MCP server on `stack` (which ends it; stdio, its own process group, the run's environment and so
-    its tag), list its tools: {name: (argv, stderr file, client, OpenAI tool schema)}; DropRollout names a failed one."""
+    its tag, a fresh folder), list its tools: {name: (argv, stderr file, client, OpenAI tool schema)}; DropRollout."""
     import mcp
     from mcp.client.stdio import stdio_client
-    tools = {}
+    tools, cwd = {}, stack.enter_context(tempfile.TemporaryDirectory(prefix="molt-mcp-"))   # removed after the servers
     for argv in servers:
         err = stack.enter_context(tempfile.TemporaryFile())
-        params = mcp.StdioServerParameters(command=argv[0], args=argv[1:], env=dict(os.environ))
+        named = [os.path.abspath(a) if os.path.isfile(a) else a for a in argv]   # the files it names, from here
+        params = mcp.StdioServerParameters(command=named[0], args=named[1:], env=dict(os.environ), cwd=cwd)
         try:
             async with asyncio.timeout(timeout):
                 client = await stack.enter_async_context(mcp.Client(stdio_client(params, errlog=err)))

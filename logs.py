@@ -136,7 +136,8 @@ def batch_metrics(trajs: list[dict]) -> dict:
     rs = list(rollouts.values())
     rewards = [r["reward"] for r in rs]
     mean = sum(rewards) / len(rs)
-    info_keys = sorted({k for r in rs for k in r["info"]})
+    keys = sorted({k for r in rs for k in r["info"]})   # a rollout without a key counts 0; a NaN or inf not at all
+    info = {k: [v for r in rs if math.isfinite(v := r["info"].get(k, 0.0))] for k in keys}
     return {
         "reward_mean": mean,
         "reward_std": (sum((x - mean) ** 2 for x in rewards) / len(rs)) ** 0.5,
@@ -144,7 +145,7 @@ def batch_metrics(trajs: list[dict]) -> dict:
         "response_len": sum(r["sampled"] for r in rs) / len(rs),
         "rollouts": len(rs),
         "segments_per_rollout": len(trajs) / len(rs),
-        **{f"info/{k}": sum(r["info"].get(k, 0.0) for r in rs) / len(rs) for k in info_keys},
+        **{f"info/{k}": sum(v) / len(v) for k, v in info.items() if v},
     }
 
 

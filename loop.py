@@ -212,19 +212,20 @@ async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, to
                 start: dict) -> list[dict]:
     """The loop itself, from the state `start` (fresh or a checkpoint). Returns the per-step metrics."""
     out = Path(cfg["output_dir"])
-    client = engines
     rows = resumed_rows(data.prompt_source(cfg, agent_cls), start)
     server = None
-    if client is not None and issubclass(agent_cls, agents.ChatAgent):
+    if engines is not None and issubclass(agent_cls, agents.Program):   # its command on an agent node, before rollouts
+        await agent_cls.check_node()
+    if engines is not None and issubclass(agent_cls, agents.ChatAgent):
         server = ChatServer(tool_parser=cfg["tool_parser"], reasoning_parser=cfg["reasoning_parser"],
                            host=cfg.get("server_host"))
         await server.start()
     replay = sorted(Path(cfg["replay_rollouts"]).glob("step_*.jsonl")) if cfg["replay_rollouts"] else None
-    held_out = evaluation.eval_rows(cfg, agent_cls) if cfg["eval_every"] and client else []
+    held_out = evaluation.eval_rows(cfg, agent_cls) if cfg["eval_every"] and engines else []
     version = start["version"]  # policy version now in the engine
     history = []
     threads = faults.AgentThreads()  # agent code runs off this loop, on one shared loop (another while it blocks)
-    pool = RolloutPool(cfg, agent_cls, rows, client, tokenizer, server, threads)
+    pool = RolloutPool(cfg, agent_cls, rows, engines, tokenizer, server, threads)
     pool.next_row = start["rows_started"]
     watchdog = faults.Watchdog(asyncio.get_running_loop(), threads).start()
     faults.cancel_on_stop(asyncio.current_task())  # a stop signal cancels the loop: every finally runs
@@ -256,7 +257,7 @@ async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, to
                 pool.dropped = []
             version += 1
             faults.set_phase(f"step {step + 1} (weight sync)")
-            if client is not None:
+            if engines is not None:
                 metrics["weight_sync_s"] = await engines.update_weights(trainer, version)
                 busy = await engines.busy_seconds()
             step_s = time.perf_counter() - t_step
@@ -265,7 +266,7 @@ async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, to
                 "trainer_idle_frac": max(0.0, 1.0 - train_s / step_s),
                 "tokens_per_s": sum(sum(t["mask"]) for t in trajs) / step_s,
             })
-            if client is not None:
+            if engines is not None:
                 metrics.update({
                     "generator_idle_frac": max(0.0, 1.0 - busy / step_s),
                     "queue_depth": pool.done.qsize(), "in_flight_groups": len(pool.tasks),
@@ -274,7 +275,7 @@ async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, to
                 })
             if held_out and (step + 1) % cfg["eval_every"] == 0:
                 faults.set_phase(f"step {step + 1} (eval)")
-                metrics.update(await evaluation.evaluate(cfg, client, agent_cls, tokenizer, held_out, server, threads))
+                metrics.update(await evaluation.evaluate(cfg, engines, agent_cls, tokenizer, held_out, server, threads))
             if metrics.get("mismatch_k3", 0.0) > MISMATCH_WARN and not history:
                 log.warning("engine and trainer disagree on the sampled tokens' logprobs (k3 %.2e). Likely causes: "
                             "different dtypes (bf16 engine vs fp32 trainer), an incomplete weight sync "

@@ -113,3 +113,15 @@ def test_real_loop_run_with_a_csv_dataset_loggers_and_plot(tiny_model, tmp_path)
     assert len(acc.Scalars("reward_mean")) == 2 and "mismatch_abs" in acc.Tags()["scalars"]
     assert (out / "mlruns").is_dir()
     assert (out / "metrics.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_info_means_leave_out_nan_and_inf():
+    """A program's or an Env's info value may be NaN or infinite: the step's mean is over the rollouts with a finite
+    value (one without the key counts 0), not poisoned; a key with no finite value is not logged."""
+    def traj(rollout: int, info: dict) -> dict:
+        return {"group": 0, "rollout_id": rollout, "mask": [1], "reward": 1.0, "score": 1.0, "info": info}
+    trajs = [traj(0, {"a": 1.0, "bad": float("nan")}), traj(1, {"a": float("nan"), "bad": float("inf")}),
+             traj(2, {"a": 3.0, "bad": float("-inf")}), traj(3, {})]
+    metrics = logs.batch_metrics(trajs)
+    assert metrics["info/a"] == (1.0 + 3.0 + 0.0) / 3 and metrics["info/bad"] == 0.0   # the rollout without it
+    assert "info/x" not in logs.batch_metrics([traj(0, {"x": float("nan")})])

@@ -79,6 +79,28 @@ def test_calculator_tools_are_listed_as_openai_schemas_and_called():
     assert not servers()
 
 
+def test_each_rollout_s_servers_run_in_a_fresh_folder_of_their_own(tmp_path, monkeypatch):
+    """A stateful file tool does not leak between rollouts: each rollout's servers start in a fresh temporary folder
+    (removed after), not the driver's; a file the command names relative to the driver's folder is still found."""
+    (tmp_path / "memo.py").write_text(
+        "import os\nfrom mcp.server.mcpserver import MCPServer\nserver = MCPServer('memo')\n\n\n@server.tool()\n"
+        "def remember(text: str) -> str:\n    \"\"\"Keep text in ./memo; return the folder and what it held.\"\"\"\n"
+        "    held = open('memo').read() if os.path.exists('memo') else ''\n    open('memo', 'w').write(text)\n"
+        "    return os.getcwd() + ' ' + held\n\n\nserver.run('stdio')\n")
+    monkeypatch.chdir(tmp_path)
+    servers = mcp_agent(f"{sys.executable} memo.py").servers   # relative to the driver's folder
+
+    async def rollout(text: str) -> str:
+        async with contextlib.AsyncExitStack() as stack:
+            return (await agents.call_mcp_tool(await agents.mcp_tools(servers, stack), "remember",
+                                               json.dumps({"text": text})))[0]
+    seen = [asyncio.run(rollout(text)).split(" ") for text in ("first", "second")]
+    assert [held for _, held in seen] == ["", ""], seen   # the second rollout does not see the first's memo
+    folders = [Path(folder) for folder, _ in seen]
+    assert folders[0] != folders[1] and tmp_path not in folders and not any(f.exists() for f in folders)
+    assert all(f.name.startswith("molt-mcp-") for f in folders) and not (tmp_path / "memo").exists()
+
+
 def test_a_tool_call_runs_on_the_server_and_its_result_comes_back_token_exactly(server, loop, monkeypatch):
     """SmolLM2's template: the model calls add, then divide by zero (the tool's error is what it reads), then
     answers; one MCP server per rollout, with the run's tag, alive during the rollout and gone after."""

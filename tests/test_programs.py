@@ -174,6 +174,8 @@ BAD = {  # body -> (reason, words of the message)
     "print('{\"reward\": true}')": ("bad_reward", "finite"),
     "print('{\"reward\": 1, \"info\": {\"a\": \"x\"}}')": ("bad_reward", "info"),
     "os.kill(os.getpid(), 9)": ("exit", "exited with -9"),
+    "print('{\"reward\": ' + '[' * 100000 + ']' * 100000 + '}')": ("no_reward", "printed no reward"),   # too deep
+    "print('[' * 100000 + '\"reward\"' + ']' * 100000)": ("no_reward", "printed no reward"),
 }
 
 
@@ -185,10 +187,13 @@ def test_a_failing_program_is_a_drop_with_its_reason_and_stderr(tmp_path, server
         assert e.value.reason == reason and words in str(e.value), (body, e.value.reason, str(e.value))
         assert "the tail" in str(e.value) and str(e.value).splitlines()[-1].startswith("--agent_cmd ")
     assert not server.sessions
-    # a program that asks nothing has nothing to train on (a ValueError: dropped as an error)
-    with pytest.raises(ValueError, match="made no model request"):
-        run_program(script(tmp_path, "silent", "print('{\"reward\": 1}')\n"), {"prompt": "1"}, fake(tiny_tokenizer, []),
+    # a program that asks nothing has nothing to train on: dropped as an error, with what it said (no traceback)
+    with pytest.raises(DropRollout) as e:
+        run_program(script(tmp_path, "silent", "sys.stderr.write('400 tools are not supported\\n')\n"
+                           "print('{\"reward\": 1}')\n"), {"prompt": "1"}, fake(tiny_tokenizer, []),
                     tiny_tokenizer, server, loop)
+    assert e.value.reason == "error" and str(e.value).startswith("400 tools are not supported\n--agent_cmd ")
+    assert "made no model request" in str(e.value)
 
 
 def test_a_hanging_or_flooding_program_is_killed_with_its_whole_group(tmp_path, server, loop, tiny_tokenizer,
@@ -213,6 +218,43 @@ def test_a_hanging_or_flooding_program_is_killed_with_its_whole_group(tmp_path, 
     with pytest.raises(DropRollout) as e:
         run_program(flood, {"prompt": "1"}, fake(tiny_tokenizer, []), tiny_tokenizer, server, loop, timeout=60)
     assert e.value.reason == "flood" and "1 MiB" in str(e.value)
+
+
+def test_a_remote_program_s_failure_is_its_rollout_s_drop_not_the_run_s_end(tmp_path, server, loop, tiny_tokenizer,
+                                                                            tiny_model, monkeypatch):
+    """--agent_resources: a command missing on the agent node is dropped/exit and a worker killed under the program
+    dropped/node (Ray's errors there are not the engine's); the command is checked at start-up; one Ray function
+    serves every rollout (not one exported per rollout)."""
+    import ray
+    from generator import Engines
+    from loop import RolloutPool
+
+    class Engine:   # what the pool asks of Engines; the same test of an engine error
+        def session(self):
+            return fake(tiny_tokenizer, ["7"])
+        is_engine_error = staticmethod(Engines.is_engine_error)
+    ray.init(num_cpus=1, resources={"agent_node": 1}, include_dashboard=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})   # the task's worker imports agent.py
+    registered, remote = [], ray.remote
+    monkeypatch.setattr(ray, "remote", lambda *a, **k: registered.append(a) or remote(*a, **k))
+    cfg = {"model": tiny_model, "max_len": 128, "agent_timeout": 60, "temperature": 1.0, "top_p": 1.0,
+           "max_new_tokens": 4, "samples_per_prompt": 1}
+    killer = script(tmp_path, "killer", "import signal\nos.kill(os.getppid(), signal.SIGKILL)\ntime.sleep(60)\n")
+    good = script(tmp_path, "good", ASK + "print(json.dumps({'reward': float(ask() == '7')}))\n")
+    try:
+        for cmd, drops, said in (("no-such-program-xyz --x", {"exit": 1}, "FileNotFoundError: [Errno 2] No such file"),
+                                 (killer, {"node": 1}, "its Ray task failed: WorkerCrashedError"), (good, {}, "")):
+            pool = RolloutPool(cfg, agents.program(cmd, 60, {"agent_node": 0.5}), iter([]), Engine(), tiny_tokenizer,
+                               server)
+            segments = loop.run_until_complete(pool._rollout(0, {"prompt": "1?2="}))
+            assert pool.drops == drops and said in pool.last_failure, (cmd, pool.drops, pool.last_failure)
+            assert len(segments) == (not drops) and "Traceback" not in pool.last_failure
+        assert len(registered) <= 1, registered   # at most the first rollout's
+        with pytest.raises(ValueError, match="'no-such-program-xyz' is not an executable file on PATH of the node"):
+            loop.run_until_complete(agents.program("no-such-program-xyz", 60, {"agent_node": 0.5}).check_node())
+        loop.run_until_complete(agents.program(good, 60, {"agent_node": 0.5}).check_node())
+    finally:
+        ray.shutdown()
 
 
 def test_agent_cmd_flags_are_checked_before_anything_starts(tmp_path, tiny_model, capsys, monkeypatch):
