@@ -309,6 +309,10 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
             rollout_ids=batch["rollout_ids"], kl=kl, kl_coef=kl_coef,
             values=old_values if self.critic is not None else None,
             **{k: batch.get(k) for k in ("turns", "turn_rewards", "states", "nodes")})   # per-turn credit
+        # A rollout counts once in a per-sequence mean however it was cut into rows (segments): its rows'
+        # tokens are weighed by the whole rollout's count, and a step's sequences are its rollouts.
+        _, rollout = torch.unique(torch.stack([batch["groups"], batch["rollout_ids"]], 1), dim=0, return_inverse=True)
+        batch["rollout_tokens"] = torch.zeros(B).index_add_(0, rollout, mask.sum(1).float())[rollout]
         spec = losses.POLICY_LOSSES[cfg["loss"]]   # its whole-batch input: once per step, by the old policy, global
         whole = spec.batch_input and spec.batch_input(old, advantages, mask > 0, **{k: cfg[k] for k in spec.settings})
 
@@ -320,7 +324,7 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         totals, norms, updates = defaultdict(float), defaultdict(float), 0
         for _ in range(cfg["ppo_epochs"]):
             for rows in batches.mini_batches(batch["groups"], n_mini, shuffle):
-                step_tokens, step_rows = mask[rows].sum().clamp(min=1), len(rows)
+                step_tokens, step_rows = mask[rows].sum().clamp(min=1), len(rollout[rows].unique())
                 for mb in batches.plan(self.cfg, self.dims, rows, batch["lengths"], batch["groups"]):
                     x = self._inputs(batch, mb)
                     parts = self._micro_loss(batch, x, old, ref, advantages, weights, step_tokens, step_rows,
@@ -363,7 +367,7 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         per_token, pm = losses.policy_loss(cfg["loss"], lp, old[i].to(dev), advantages[i].to(dev), m, eps_low=lo,
                                            eps_high=hi, batch=None if whole is None else whole[i].to(dev),
                                            **{k: cfg[k] for k in own})
-        agg = lambda v: aggregate(v, m, batch["mask"][i], cfg["loss_agg"], self.dims.cp, step_tokens, step_rows)
+        agg = lambda v: aggregate(v, m, batch["rollout_tokens"][i], cfg["loss_agg"], step_tokens, step_rows)
         share = m.sum().item() / step_tokens.item()  # this micro-batch's share of the step's tokens
         parts = {"policy_loss": agg(per_token * weights[i].to(dev)), "clip_frac": float(pm["clip_frac"]) * share}
         if cfg["kl_loss"]:
@@ -429,12 +433,12 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         return torch.get_num_threads()
 
 
-def aggregate(x: torch.Tensor, m: torch.Tensor, full: torch.Tensor, mode: str, cp: int, step_tokens, step_rows):
-    """losses.aggregate over this rank's tokens `m` with the step's global counts. Under CP a row is split
-    across ranks, so per-row means use the row's full token count (`full`: the rows' whole masks)."""
-    if mode == "seq_mean_token_mean" and cp > 1:
-        x = x * (m.sum(1).clamp(min=1) / full.sum(1).clamp(min=1).to(x.device))[:, None]
-    return losses.aggregate(x, m, mode, num_tokens=step_tokens, num_seqs=step_rows)
+def aggregate(x: torch.Tensor, m: torch.Tensor, rollout_tokens: torch.Tensor, mode: str, step_tokens, step_rollouts):
+    """losses.aggregate over this rank's tokens `m` with the step's global counts. A per-sequence mean is over
+    rollouts: a row's (a segment's, under CP a chunk's) tokens count against its whole rollout's token count."""
+    if mode == "seq_mean_token_mean":
+        x = x * (m.sum(1).clamp(min=1) / rollout_tokens.clamp(min=1).to(x.device))[:, None]
+    return losses.aggregate(x, m, mode, num_tokens=step_tokens, num_seqs=step_rollouts)
 
 
 def optimizer_step(model, optimizer, grad_clip: float, dims) -> float:

@@ -3,8 +3,10 @@
 Trajectories are made up (fixed token ids, made-up sampling logprobs), so no engine
 is needed; tests/test_loop.py runs the same options through the real loop."""
 
+import inspect
 import itertools
 import math
+import random
 from pathlib import Path
 
 import pytest
@@ -356,3 +358,73 @@ def test_dumped_per_token_advantages_and_trainer_logprobs_align_with_the_tokens(
     # --old_logprobs engine: the old logprobs are the sampled ones, so there is no trainer logprob to dump
     bypass = Trainer(trainer_cfg(tiny_model, estimator="grpo", dump_rollouts=tmp_path, old_logprobs="engine"))
     assert set(bypass.train_step(_signal_trajectories(bypass))["per_token"]) == {"advantages"}
+
+
+# ---------------------------------------------------------------- segments: a rollout cut into rows
+# The credit rule (docs/algorithms.md): group statistics are over rollouts, every segment of a rollout carries
+# the rollout's advantage, and a per-sequence loss mean is over rollouts. So an unrewritten episode cut into
+# segments at turn boundaries trains exactly as the whole episode: its tokens see the same context.
+PER_TURN = {"turns", "turn_rewards", "states", "nodes"}   # estimators of per-turn credit read these instead
+WHOLE_ROLLOUT = [n for n, s in estimators.ESTIMATORS.items() if not PER_TURN & set(inspect.signature(s.fn).parameters)]
+
+
+def _episodes(turns=8):
+    """2 groups x 4 rollouts of `turns` turns each: an action of 1-2 sampled tokens, then an observation."""
+    rng, trajs = random.Random(0), []
+    for g in range(2):
+        for i in range(4):
+            tokens, mask, ends = [2, 8 + g, 15, 12, 16, 0, 3], [0] * 7, []
+            for _ in range(turns):
+                action, observation = rng.randint(1, 2), rng.randint(1, 2)
+                tokens += [rng.randrange(5, 23) for _ in range(action + observation)]
+                mask += [1] * action + [0] * observation
+                ends.append(len(tokens) - observation)   # a segment ends at its last action token
+            trajs.append({"tokens": tokens, "mask": mask, "ends": ends, "reward": float(i % 3) - g / 2,
+                          "group": g, "rollout_id": i})
+    return trajs
+
+
+def _cut(traj, k, rng):
+    """The episode as k segments (k - 1 random turn boundaries): each segment's row is the context up to
+    its last action, trained on its own turns' actions; all share the rollout's id and reward."""
+    cuts = [0, *sorted(rng.sample(range(1, len(traj["ends"])), k - 1)), len(traj["ends"])]
+    segments = []
+    for a, b in zip(cuts, cuts[1:]):
+        start, end = (traj["ends"][a - 1] if a else 0), traj["ends"][b - 1]
+        segments.append({**traj, "tokens": traj["tokens"][:end], "mask": [0] * start + traj["mask"][start:end]})
+    return segments
+
+
+def _sampled_by(trainer, trajs):   # sampling logprobs and versions as the trainer's own: IS ratio 1
+    for t in trajs:
+        t.update(logprobs=[0.0] * len(t["tokens"]), versions=[0 if m else -1 for m in t["mask"]])
+    for t, lp in zip(trajs, trainer_logprobs(trainer, trajs)):
+        t["logprobs"] = [0.0] + [x if m else 0.0 for x, m in zip(lp, t["mask"][1:])]
+    return trajs
+
+
+@pytest.mark.parametrize("loss_agg", losses.LOSS_AGGS)
+@pytest.mark.parametrize("estimator", WHOLE_ROLLOUT)
+def test_an_episode_cut_into_segments_trains_as_the_whole_episode(tiny_model, tmp_path, estimator, loss_agg):
+    """K = 1..8 segments per rollout at random turn boundaries: the same per-token advantages and the same
+    update (fp32, plain SGD) as the uncut episodes, under every estimator of whole-rollout credit and every
+    --loss_agg. Counting each segment as a sequence (seq_mean_*) or a group member would change both."""
+    opts = {"estimator": estimator, "loss_agg": loss_agg, "dump_rollouts": tmp_path,
+            **({"kl_coef": 0.5, "ref_model": tiny_model} if estimators.ESTIMATORS[estimator].teacher else {})}
+    whole, cut, rng = _episodes(), [], random.Random(1)
+    for t in whole:
+        cut += _cut(t, rng.randint(1, 8), rng)
+    assert len(cut) > 2 * len(whole)
+    updates, advantages = [], []
+    for trajs in (whole, cut):
+        t = _sgd_trainer(tiny_model, **opts)
+        before = _flat(t.full_state_dict())
+        per_token = t.train_step(_sampled_by(t, trajs))["per_token"]["advantages"]
+        updates.append(_flat(t.full_state_dict()) - before)
+        # each trained token's advantage, by (rollout, position): a segment trains a position of its rollout
+        advantages.append({(tr["group"], tr["rollout_id"], j): a for tr, row in zip(trajs, per_token)
+                           for j, (a, m) in enumerate(zip(row, tr["mask"])) if m})
+    assert advantages[0].keys() == advantages[1].keys()
+    assert all(abs(advantages[0][k] - advantages[1][k]) < 1e-6 for k in advantages[0])
+    assert updates[0].norm() > 0 or estimators.ESTIMATORS[estimator].teacher   # (a teacher = the policy: no KL)
+    assert (updates[0] - updates[1]).abs().max() < 1e-6
