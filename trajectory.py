@@ -117,11 +117,11 @@ def with_images(messages: list[dict], images: list) -> list[dict]:
     return out
 
 
-def render(tokenizer, messages: list[dict], add_generation_prompt: bool,
-            tools: list[dict] | None = None) -> str:
-    """The template's text, special-token strings of messages and tools as placeholders (`as_text`)."""
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
+           **options) -> str:
+    """The template's text (`options`: its own switches), special-token strings as placeholders (`as_text`)."""
     return tokenizer.apply_chat_template(as_text(tokenizer, messages), add_generation_prompt=add_generation_prompt,
-                                         tokenize=False, tools=as_text(tokenizer, tools))
+                                         tokenize=False, tools=as_text(tokenizer, tools), **options)
 
 
 @functools.lru_cache(maxsize=16)
@@ -190,15 +190,15 @@ class PrefixRewrite(ValueError):
 
 
 def delta_ids(tokenizer, messages: list[dict], reply_ids: list[int], new: list[dict],
-              tools: list[dict] | None = None) -> list[int]:
+              tools: list[dict] | None = None, **options) -> list[int]:
     """Token ids that follow the sampled reply when the messages `new` come next.
 
     `messages` ends with the assistant reply, its content the sampled text. The ids are the template's
     text after the reply (its end-of-turn, if the model did not sample it), the new messages and the next
     generation prompt; the reply itself is not re-encoded. Raises PrefixRewrite if the template does not
     render the longer conversation by appending."""
-    before = render(tokenizer, messages[:-1], True, tools)
-    closed = render(tokenizer, messages, False, tools)
+    before = render(tokenizer, messages[:-1], True, tools, **options)
+    closed = render(tokenizer, messages, False, tools, **options)
     reply = as_text(tokenizer, messages[-1]["content"])
     if not closed.startswith(before + reply):
         raise PrefixRewrite("the chat template renders the reply differently from how it was "
@@ -208,7 +208,7 @@ def delta_ids(tokenizer, messages: list[dict], reply_ids: list[int], new: list[d
     end = tokenizer.decode(reply_ids[-1:]) if reply_ids and reply_ids[-1] in end_ids(tokenizer) else ""
     if end and tail.startswith(end):
         tail = tail[len(end):]                           # the model sampled it already
-    full = render(tokenizer, messages + new, True, tools)
+    full = render(tokenizer, messages + new, True, tools, **options)
     if not full.startswith(closed):
         raise PrefixRewrite("the chat template re-renders earlier turns when the conversation "
                             "grows; an Env needs a template that only appends (a ChatAgent "

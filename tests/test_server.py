@@ -352,10 +352,10 @@ def test_fields_are_honoured_or_refused_never_ignored(server, loop, tiny_tokeniz
             with pytest.raises(anthropic.BadRequestError) as e:
                 await client.messages.create(model="m", max_tokens=4, messages=msgs, extra_body={"foo": 1})
             out["anthropic"] = e.value.message
-            with pytest.raises(anthropic.BadRequestError) as e:
-                await client.messages.create(model="m", max_tokens=4, messages=msgs,
-                                             thinking={"type": "enabled", "budget_tokens": 1024})
-            out["thinking"] = e.value.message
+            with pytest.raises(anthropic.BadRequestError) as e:   # a structured output: constrained decoding
+                await client.messages.create(model="m", max_tokens=4, messages=msgs, extra_body={
+                    "output_config": {"effort": "low", "format": {"type": "json_schema", "schema": {}}}})
+            out["format"] = e.value.message
             a = await client.messages.with_raw_response.create(   # temperature: older clients still send it
                 model="m", max_tokens=4, messages=msgs, tool_choice={"type": "auto"}, extra_body={"temperature": 0.3})
         server.close_session(s.id)
@@ -366,7 +366,7 @@ def test_fields_are_honoured_or_refused_never_ignored(server, loop, tiny_tokeniz
     assert "tool_choice" in out["required"] and "not supported" in out["required"]
     assert "response_format" in out["json"] and "presence_penalty" in out["penalty"]
     assert "Unrecognized request argument supplied: foo" in out["responses"] and "tool_choice" in out["responses required"]
-    assert "foo: Extra inputs are not permitted" in out["anthropic"] and "thinking" in out["thinking"]
+    assert "foo: Extra inputs are not permitted" in out["anthropic"] and "output_config" in out["format"]
     assert ok.headers["x-molt-ignored"] == "temperature, seed" and "x-molt-ignored" not in plain.headers
     assert r.headers["x-molt-ignored"] == "temperature" and a.headers["x-molt-ignored"] == "temperature"
     assert len(rec.calls) == 4 and all(s["temperature"] == SAMPLING["temperature"] for s in rec.sampling)
