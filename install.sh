@@ -26,6 +26,6 @@ if ! ldconfig -p | grep -q libtcmalloc_minimal && command -v apt-get >/dev/null;
   { apt-get install -y -qq libtcmalloc-minimal4 || { apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4; }; } \
     >/dev/null 2>&1 || echo "libtcmalloc-minimal4 could not be installed: training runs on glibc's malloc (slower)" >&2
 fi
-# Node.js programs (examples/programs/*.mjs) use the `openai` npm package; without npm their tests skip.
+# Node.js programs (examples/programs/): the `openai` npm package, Codex CLI and Claude Code; without npm their tests skip.
 if command -v npm >/dev/null; then npm install --no-audit --no-fund --prefix examples/programs >/dev/null; fi
 "$PY" -c "import torch, vllm, ray, transformers; print('ok: torch', torch.__version__, '| vllm', vllm.__version__, '| ray', ray.__version__, '| transformers', transformers.__version__)"
