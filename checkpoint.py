@@ -8,6 +8,8 @@
 """
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 import parallel
 
@@ -18,7 +20,6 @@ class Checkpoints:
     def checkpoint_state(self) -> tuple[dict, dict]:
         """(what DCP saves/loads, the state dicts it views). MoE experts appear one entry per
         expert (`split_experts`), views of this rank's rows, so a load fills them in place."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
         dicts = {"model": get_state_dict(self.model, self.optimizer, options=self.model_options())}
         if self.critic is not None:
             dicts["critic"] = get_state_dict(self.critic, self.critic_optimizer)
@@ -30,18 +31,14 @@ class Checkpoints:
 
     def model_options(self):
         """With LoRA the policy's base never changes: only the adapter (and its optimizer) is saved and loaded."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
         return StateDictOptions(ignore_frozen_params=True, strict=False) if self.cfg.get("lora_rank") else None
 
     def save_checkpoint(self, path: str) -> str:
         """Model, optimizer, critic (+ its optimizer) and version; every rank writes its own shards (all call it)."""
-        import torch.distributed.checkpoint as dcp
         dcp.save(self.checkpoint_state()[0], checkpoint_id=path)
         return path
 
     def load_checkpoint(self, path: str) -> int:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
         state, dicts = self.checkpoint_state()
         dcp.load(state, checkpoint_id=path)
         for name, module, optimizer in (("model", self.model, self.optimizer),

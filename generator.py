@@ -36,9 +36,11 @@ import time
 import traceback
 from unittest import mock
 
+import ray
 import torch
 
 import lora
+import parallel
 
 # Keys of the sampling dict an agent or the loop may set per request.
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed", "ignore_eos",
@@ -201,8 +203,7 @@ class Generator:
             prompt["multi_modal_data"] = {"image": [vision.load_image(i) for i in images]}
         results = [{"token_ids": [], "logprobs": [], "versions": [], "finish_reason": None, "stop_reason": None,
                     **({"top_logprobs": []} if k else {})} for _ in range(n)]
-        self._enter()
-        try:
+        with self._busy():
             async for out in self.engine.generate(prompt, params, request_id=f"r{next(self._ids)}",
                                                   lora_request=self.lora_request):
                 for comp in out.outputs:
@@ -220,8 +221,6 @@ class Generator:
                     r["stop_reason"] = comp.stop_reason if isinstance(comp.stop_reason, str) else None
                     if images:
                         r["prompt_ids"] = list(out.prompt_token_ids)
-        finally:
-            self._exit()
         for r in results:
             if len(r["versions"]) != len(r["token_ids"]):
                 raise RuntimeError(f"vLLM's weight-version spans cover {len(r['versions'])} of "
@@ -274,15 +273,18 @@ class Generator:
         self.busy_s, self._busy_since = 0.0, now
         return busy
 
-    def _enter(self):
+    @contextlib.contextmanager
+    def _busy(self):
+        """Around each request: busy_s counts the wall time with at least one request running."""
         if self._running == 0:
             self._busy_since = time.perf_counter()
         self._running += 1
-
-    def _exit(self):
-        self._running -= 1
-        if self._running == 0:
-            self.busy_s += time.perf_counter() - self._busy_since
+        try:
+            yield
+        finally:
+            self._running -= 1
+            if self._running == 0:
+                self.busy_s += time.perf_counter() - self._busy_since
 
     def shutdown(self):
         if self.engine is not None:
@@ -380,9 +382,6 @@ class Engines:
             if future is not None and not future.done():
                 future.set_exception(error)
 
-    async def __call__(self, prompt_ids: list[int], sampling: dict, images: list | None = None) -> dict:
-        return await self.session()(prompt_ids, sampling, images)
-
     async def version(self) -> int:
         """The engines' policy version: asked once, then known from `update_weights` (not a Ray call per group)."""
         if self._version is None:
@@ -419,12 +418,10 @@ class Engines:
         return sum(busy) / len(busy)
 
     def shutdown(self):
-        import ray
         ray.get([a.shutdown.remote() for a in self.actors])
 
     @staticmethod
     def is_engine_error(e: Exception) -> bool:
-        import ray
         return isinstance(e, (ray.exceptions.RayError, EngineError))
 
 
@@ -446,8 +443,6 @@ def start_engines(cfg: dict) -> Engines:
     --engine_dp_size GPUs on one node where the cluster has GPUs, plus --engine_resources), in
     a placement group of their own: engine GPUs are never the trainer's. On CPU each engine's
     threads and cores come from its node's (cpu_engine_env)."""
-    import ray
-    import parallel
     n, gpus = cfg["num_engines"], parallel.gpu_shares(cfg, ray.cluster_resources().get("GPU", 0))[1]
     per_engine = cfg["engine_tp_size"] * cfg["engine_dp_size"]
     bundle = {"CPU": 1, **({"GPU": gpus} if gpus else {}), **(cfg.get("engine_resources") or {})}
@@ -456,23 +451,20 @@ def start_engines(cfg: dict) -> Engines:
     # to start and torch to import, ~4 s before the first engine could start) is not needed.
     nodes = [ray.util.placement_group_table(pg)["bundles_to_node_id"][i] for i in range(n)]
     trainers_here = 0 if cfg.get("replay_rollouts") or not parallel.one_node() else cfg["train_workers"]
-    overlap = cfg["async_depth"] > 0
     eager = cfg.get("enforce_eager")
     eager = not gpus if eager is None else eager  # CUDA graphs on GPU; on CPU compiling only slows start-up
-    actors = []
-    for i in range(n):
-        actors.append(ray.remote(Generator).options(
-            num_cpus=1, num_gpus=gpus, max_concurrency=10_000, **parallel.in_bundle(pg, i)).remote(
-            cfg["model"], dtype=cfg["engine_dtype"] or cfg["param_dtype"], max_len=cfg["max_len"],
-            seed=cfg["seed"] + i, gpu_memory_utilization=cfg["gpu_memory_utilization"],
-            partial_rollout=cfg["partial_rollout"], prefix_caching=cfg["prefix_caching"], enforce_eager=eager,
-            tp_size=cfg["engine_tp_size"], dp_size=cfg["engine_dp_size"], expert_parallel=cfg["engine_ep"],
-            spec_decode=cfg["spec_decode"], spec_tokens=cfg["spec_tokens"],
-            max_images=cfg["max_images_per_prompt"], trust_remote_code=cfg["trust_remote_code"],
-            max_seqs=cfg["engine_max_seqs"], kv_seqs=-(-cfg.get("rollout_in_flight", 0) * cfg["samples_per_prompt"] // n),
-            kv_gb=cfg.get("kv_cache_gb"),
-            cpu_slot=None if gpus else (nodes, i, trainers_here, overlap, cfg.get("engine_threads")),
-            adapter=lora.peft_config(cfg)))
+    remote = ray.remote(Generator)
+    actors = [remote.options(num_cpus=1, num_gpus=gpus, max_concurrency=10_000, **parallel.in_bundle(pg, i)).remote(
+        cfg["model"], dtype=cfg["engine_dtype"] or cfg["param_dtype"], max_len=cfg["max_len"],
+        seed=cfg["seed"] + i, gpu_memory_utilization=cfg["gpu_memory_utilization"],
+        partial_rollout=cfg["partial_rollout"], prefix_caching=cfg["prefix_caching"], enforce_eager=eager,
+        tp_size=cfg["engine_tp_size"], dp_size=cfg["engine_dp_size"], expert_parallel=cfg["engine_ep"],
+        spec_decode=cfg["spec_decode"], spec_tokens=cfg["spec_tokens"],
+        max_images=cfg["max_images_per_prompt"], trust_remote_code=cfg["trust_remote_code"],
+        max_seqs=cfg["engine_max_seqs"], kv_seqs=-(-cfg.get("rollout_in_flight", 0) * cfg["samples_per_prompt"] // n),
+        kv_gb=cfg.get("kv_cache_gb"),
+        cpu_slot=None if gpus else (nodes, i, trainers_here, cfg["async_depth"] > 0, cfg.get("engine_threads")),
+        adapter=lora.peft_config(cfg)) for i in range(n)]
     return Engines(actors, cfg["check_weight_sync"], broadcast=cfg["weight_sync"] == "broadcast",
                    workers_per_engine=per_engine)
 
@@ -500,7 +492,6 @@ def cpu_engine_env(nodes: list[str], i: int, trainers: int, overlap: bool, threa
     multiprocess executor busy-waits between worker and scheduler (sched_yield 1 s per message),
     taking cores from everything else (0.9 -> 0.65 s per default step on 2 cores). With tensor
     parallelism vLLM binds each rank itself (VLLM_CPU_OMP_THREADS_BIND; "auto": all cores less one per rank)."""
-    import parallel
     cores = cores or parallel.node_cores()
     peers = [j for j, m in enumerate(nodes) if m == nodes[i]]
     share = parallel.cpu_threads(cores, trainers, len(peers), overlap, engine_threads=threads)[1]

@@ -21,6 +21,7 @@ from pathlib import Path
 from unittest import mock
 
 import psutil
+import ray
 
 import agent as agents
 import evaluation
@@ -34,13 +35,12 @@ log = logging.getLogger("molt")
 ROOT = str(Path(__file__).resolve().parent)
 
 
-def start_ray(cfg: dict):
+def start_ray(cfg: dict) -> None:
     """Start a private local Ray, or join a running cluster (--ray_address auto|HEAD:6379).
 
     Every Ray worker, on any node, imports this code from the same absolute path (PYTHONPATH
     below): on several machines the project and its Python environment must sit at the same
     path on every node (shared storage, or the same checkout and install.sh on each)."""
-    import ray
     paths = [ROOT, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]  # absolute: workers run elsewhere
     env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(str(Path(p).resolve()) for p in paths if p)),
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
@@ -74,7 +74,6 @@ def start_ray(cfg: dict):
     print(f"ray: a local cluster ({at}): Ray, trainer ranks, engines and weight sync listen on 127.0.0.1 only"
           if cfg["ray_address"] is None else f"ray: joined {cfg['ray_address']} ({at}): Ray listens on every "
           f"interface, this node as {ray.util.get_node_ip_address()}", file=sys.stderr)
-    return ray
 
 
 def tcmalloc(cfg: dict) -> dict:
@@ -108,7 +107,7 @@ def run_tagged(cfg: dict) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(cfg["model"])
     start = {"step": 0, "version": 0, "rows_started": 0}
     resume_from = logs.complete_checkpoints(out)[-1] if cfg["resume"] and logs.complete_checkpoints(out) else None
-    ray = start_ray(cfg)
+    start_ray(cfg)
     try:
         if cfg["agent_resources"] or cfg["server_host"]:   # programs elsewhere reach this node's Ray address
             if not any(n["Alive"] and all(n["Resources"].get(k, 0) >= v for k, v in cfg["agent_resources"].items())
@@ -172,7 +171,6 @@ def run_tagged(cfg: dict) -> dict:
 def say_threads(cfg: dict, trainer, engines) -> None:
     """Say on stderr the threads each trainer rank and CPU engine computes with (parallel.cpu_threads),
     and each engine's KV cache (generator.kv_cache_bytes)."""
-    import ray
     ranks = ray.get([w.torch_threads.remote() for w in trainer.workers])
     facts = ray.get([a.facts.remote() for a in engines.actors]) if engines else []
     cpu_engines = [t for t, _ in facts if t]
@@ -190,7 +188,6 @@ def say_threads(cfg: dict, trainer, engines) -> None:
 
 def wait_ready(cfg: dict, refs: list):
     """Wait for the actors' start-up (engines: ~15 s each on CPU) behind a progress bar."""
-    import ray
     from tqdm import tqdm
     with tqdm(total=len(refs), desc="starting trainer ranks and engines", unit="actor",
               disable=cfg["quiet"] or not sys.stderr.isatty()) as bar:

@@ -112,8 +112,7 @@ def plot(runs: list[str | Path], out: str | Path) -> str:
             pts = [(r.get("step", i + 1), r[key]) for i, r in enumerate(rows) if key in r]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{label}: {key}" if len(keys) > 1 else label)
     for ax, (title, _) in zip(axes.flat, PANELS):
-        ax.set_title(title)
-        ax.set_xlabel("step")
+        ax.set(title=title, xlabel="step")
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=7)

@@ -37,8 +37,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 
 @dataclass
@@ -252,8 +255,6 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
     stay whole (use EP for them). The LM head is vocab-parallel: each rank computes the logits of
     its 1/tp of the vocabulary and `vocab_parallel_logprobs` scores them, so no rank ever holds
     the full [B, T, V] logits; a tied input embedding is split the same way (row-wise, dim 0)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     for block in text_layers(model):
         plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
                 "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel()}
@@ -355,7 +356,6 @@ class EPExperts(torch.nn.Module):
         self.act_fn = experts.act_fn
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        from torch.distributed._functional_collectives import all_to_all_single_autograd
         N, k = top_k_index.shape
         expert = top_k_index.reshape(-1)                                      # [N*k]
         order = torch.argsort(expert, stable=True)                            # grouped by expert = by owner rank
@@ -390,7 +390,6 @@ _CP_GROUP = None
 
 def _seq_to_heads(x: torch.Tensor, cp: int) -> torch.Tensor:
     """[b, h, t, d] (my sequence chunk, all heads) -> [b, h/cp, cp*t, d] (all positions, my heads)."""
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
     b, h, t, d = x.shape
     x = x.reshape(b, cp, h // cp, t, d).transpose(0, 1).contiguous()       # [cp(dst), b, h/cp, t, d]
     x = all_to_all_single_autograd(x, None, None, _CP_GROUP)              # [cp(src chunk), b, h/cp, t, d]
@@ -399,7 +398,6 @@ def _seq_to_heads(x: torch.Tensor, cp: int) -> torch.Tensor:
 
 def _heads_to_seq(x: torch.Tensor, cp: int) -> torch.Tensor:
     """Inverse of _seq_to_heads: [b, h/cp, cp*t, d] -> [b, h, t, d]."""
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
     b, hl, T, d = x.shape
     x = x.reshape(b, hl, cp, T // cp, d).permute(2, 0, 1, 3, 4).contiguous()  # [cp(dst chunk), b, h/cp, t, d]
     x = all_to_all_single_autograd(x, None, None, _CP_GROUP)                 # [cp(src heads), b, h/cp, t, d]
@@ -493,12 +491,11 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, *, param_dtype: torc
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     mesh = dims.dp_cp_mesh
-    units = []
-    for block in vision_blocks(model):  # a VLM's vision tower: one unit per block as well
-        units.append(fully_shard(block, mesh=mesh, mp_policy=mp, **extra))
+    tower = vision_tower(model)   # a VLM's vision tower: one unit per block as well
+    units = [fully_shard(b, mesh=mesh, mp_policy=mp, **extra) for b in tower.blocks] if tower is not None else []
     for block in text_layers(model):
-        for gate in moe_gates_of(block):
-            units.append(fully_shard(gate, mesh=mesh, mp_policy=fp32, **extra))   # the router runs in fp32
+        if hasattr(block.mlp, "gate") and hasattr(block.mlp, "experts"):   # a MoE block's router: in fp32
+            units.append(fully_shard(block.mlp.gate, mesh=mesh, mp_policy=fp32, **extra))
         if isinstance(getattr(block.mlp, "experts", None), EPExperts):
             units.append(fully_shard(block.mlp.experts, mesh=dims.ep_mesh["efsdp"], mp_policy=mp, **extra))
         units.append(fully_shard(block, mesh=mesh, mp_policy=mp, **extra))
@@ -523,20 +520,9 @@ def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
     return getattr(model.model, "visual", None)
 
 
-def vision_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    tower = vision_tower(model)
-    return list(tower.blocks) if tower is not None else []
-
-
-def moe_gates_of(block: torch.nn.Module) -> list[torch.nn.Module]:
-    mlp = getattr(block, "mlp", None)
-    return [mlp.gate] if mlp is not None and hasattr(mlp, "gate") and hasattr(mlp, "experts") else []
-
-
 def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float, dims: ParallelDims) -> float:
     """Global L2 norm of the gradients of every layout (FSDP/TP DTensors on different meshes,
     EP experts split over the EP group), then clip in place. Same collectives on every rank."""
-    from torch.distributed.tensor import DTensor, Replicate
     sums: dict[tuple, torch.Tensor] = {}
     for p in params:
         if p.grad is None:

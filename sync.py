@@ -15,6 +15,7 @@ from typing import Iterator
 
 import safetensors.torch
 import torch
+import torch.distributed as dist
 
 import lora
 import parallel
@@ -133,7 +134,6 @@ def weight_sync_group(host: str, port: int, rank: int, world: int, device: torch
     """A process group of the trainer's rank 0 (rank 0, hosting the store) and every engine
     worker, apart from the global group (vLLM's workers and the FSDP ranks each have their
     own). Returns the backend object: nccl on GPU, gloo on CPU."""
-    import torch.distributed as dist
     try:
         store = parallel.tcp_store(host, port, world, rank == 0, JOIN_TIMEOUT)
     except (RuntimeError, TimeoutError) as e:   # torch raises DistStoreError, a RuntimeError
@@ -150,7 +150,6 @@ def weight_sync_group(host: str, port: int, rank: int, world: int, device: torch
 
 
 def _broadcast(group, tensor: torch.Tensor):
-    import torch.distributed as dist
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     group.broadcast([tensor], opts).wait()
@@ -215,8 +214,7 @@ def receive_weights(group, device: torch.device) -> Iterator[tuple[str, torch.Te
     _broadcast(group, header)
     for i, bucket in enumerate(json.loads(bytes(header.cpu().tolist()).decode())):
         dtypes = [getattr(torch, dtype) for _, dtype, _ in bucket]
-        counts = [torch.Size(shape).numel() * torch.empty(0, dtype=d).element_size()
-                  for (_, _, shape), d in zip(bucket, dtypes)]
+        counts = [torch.Size(shape).numel() * d.itemsize for (_, _, shape), d in zip(bucket, dtypes)]
         flat = (_kept_buffer("receive", sum(counts)) if i == 0 and device.type == "cpu"
                 else torch.empty(sum(counts), dtype=torch.uint8, device=device))
         _broadcast(group, flat)

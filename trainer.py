@@ -382,8 +382,7 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
     def _critic_loss(self, batch, x, old_values, returns, step_tokens) -> dict:
         i = x["idx"]
         m = (batch["mask"][i] * x["own"]).to(self.device)
-        values = self._values(x)
-        per_token = losses.value_loss(values, old_values[i].to(self.device), returns[i].to(self.device), m,
+        per_token = losses.value_loss(self._values(x), old_values[i].to(self.device), returns[i].to(self.device), m,
                                       self.cfg["value_clip"])
         return {"value_loss": losses.aggregate(per_token, m, "token_mean", num_tokens=step_tokens)}
 
@@ -545,13 +544,11 @@ def shared_markers(cfg: dict) -> list[str]:
     out = Path(cfg["output_dir"]).resolve()
     export = Path(cfg["export_hf"]).resolve().parent if cfg.get("export_hf") else out
     folders = [out] + ([export] if export != out and not export.is_relative_to(out) else [])
-    markers = []
-    for folder in folders:
-        folder.mkdir(parents=True, exist_ok=True)
-        marker = folder / f".molt-visible-{uuid.uuid4().hex}"
+    markers = [folder / f".molt-visible-{uuid.uuid4().hex}" for folder in folders]
+    for marker in markers:
+        marker.parent.mkdir(parents=True, exist_ok=True)
         marker.touch()
-        markers.append(str(marker))
-    return markers
+    return [str(m) for m in markers]
 
 
 def check_shared_storage(facts: list[dict], markers: list[str]) -> None:

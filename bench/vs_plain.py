@@ -57,7 +57,6 @@ WORKLOADS = {
 WORKLOADS["smollm2_auto"] = [*WORKLOADS["smollm2"][:-1], "auto"]  # bf16 where the CPU has native bf16 (plain too)
 COMMON = ["--quiet", "--export_hf", "none", "--no_plot"]
 
-
 KINDS = (("engine core", "VLLM::EngineCore"), ("engine actor", "ray::Generator"), ("trainer", "ray::Trainer"),
          ("ray", "ray"))  # by command line; everything else is "driver"
 
@@ -289,11 +288,10 @@ if __name__ == "__main__":
         first, second = (med(r["steps"][args.warmup:], "step_s") for r in (runs["plain"], again))
         print(f"plain s/step before ours {first:.3f}, after {second:.3f}"
               + (" (the machine's speed drifted: compare ratios with care)" if abs(first / second - 1) > 0.15 else ""))
-        runs["plain"] = {**runs["plain"], "steps": runs["plain"]["steps"][:args.warmup]
-                         + [{k: (a[k] + b[k]) / 2 for k in a} for a, b in zip(runs["plain"]["steps"][args.warmup:],
-                                                                              again["steps"][args.warmup:])],
-                         "cpu_per_step": {k: (v + again["cpu_per_step"].get(k, v)) / 2
-                                          for k, v in runs["plain"]["cpu_per_step"].items()}}
+        p, w = runs["plain"], args.warmup
+        p["steps"] = p["steps"][:w] + [{k: (a[k] + b[k]) / 2 for k in a}
+                                       for a, b in zip(p["steps"][w:], again["steps"][w:])]
+        p["cpu_per_step"] = {k: (v + again["cpu_per_step"].get(k, v)) / 2 for k, v in p["cpu_per_step"].items()}
     print(f"workload {args.workload}: {' '.join(WORKLOADS[args.workload]) or 'main.py defaults'}"
           + (f"; ours with {args.extra}" if args.extra else "") + f"; {args.steps} steps, medians of the last "
           f"{args.steps - args.warmup}")
@@ -318,8 +316,7 @@ if __name__ == "__main__":
         print(f"ours lora / plain lora: step {med(low, 'step_s') / med(pl, 'step_s'):.2f} (goal <= 0.8), train "
               f"{med(low, 'train_s') / med(pl, 'train_s'):.2f}; ours lora / ours: sync data "
               f"{sync_share(argv, args.lora):.3f} (goal <= 0.1), seconds {med(low, 'sync_s') / med(full, 'sync_s'):.3f}, "
-              f"peak memory "
-              f"{runs['ours lora']['peak_gib'] / runs['ours']['peak_gib']:.2f} (goal <= 0.7), train "
+              f"peak memory {runs['ours lora']['peak_gib'] / runs['ours']['peak_gib']:.2f} (goal <= 0.7), train "
               f"{med(low, 'train_s') / med(full, 'train_s'):.2f}")
     for name, a in runs.items():
         if name != "plain":   # the goals are for our full fine-tuning
