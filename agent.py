@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator
 
 import sandbox
+import tasks
 import vision
 from trajectory import (DropRollout, Generate, Trajectory, decode_reply, delta_ids, encode, prompt_messages, render,
                         sample, with_images)
@@ -433,35 +434,65 @@ def _reward_object(line: bytes) -> dict | None:
     return None
 
 
-async def run_process(argv: list[str], row: dict, env: dict, timeout: float, confined: bool = True) -> tuple:
-    """A `Program`'s process, here or in a Ray task: its own group in a fresh temporary folder, `confined` in a
-    sandbox of its own (sandbox.py: `env` and an allow-list) or with `env` over this process's environment (with the
-    run's tag, faults.TAG), the row on stdin, both pipes read (bounded) within `timeout`, then the whole group killed
-    (and with it, the sandbox). -> (stdout, stderr, (reason, what) of a drop or None)."""
+async def _process(command: list[str], env: dict, cwd: str, data: bytes, timeout: float, what: str) -> tuple:
+    """Run `command` in its own group with `data` on stdin, both pipes read (bounded) within `timeout`, then the whole
+    group killed (and with it, a sandbox). -> (stdout, stderr, (reason, what) of a drop or None)."""
     out, err, total, failed = _Output(), _Output(), [0], None
-    async with contextlib.AsyncExitStack() as stack:
-        cwd = stack.enter_context(tempfile.TemporaryDirectory(prefix="molt-program-"))
-        argv, env = await stack.enter_async_context(sandbox.confine(argv, env, cwd, timeout)) if confined else (
-            argv, {**os.environ, **env})
-        proc = await asyncio.create_subprocess_exec(
-            *argv, cwd=cwd, env=env, start_new_session=True, stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        try:
-            async def feed():
-                with contextlib.suppress(ConnectionError):   # a program need not read its row
-                    proc.stdin.write(json.dumps(row, default=str).encode() + b"\n")
-                    await proc.stdin.drain()
-                    proc.stdin.close()
-            await asyncio.wait_for(asyncio.gather(feed(), out.read(proc.stdout, total),
-                                                  err.read(proc.stderr, total), proc.wait()), timeout)
-        except (asyncio.TimeoutError, DropRollout) as e:   # the caller drops the rollout, with the stderr's tail
-            failed = (e.reason, str(e)) if isinstance(e, DropRollout) else ("timeout", f"ran past --agent_timeout {timeout:g}s: killed")
-        finally:   # the whole group, whatever it left running (a Ray task's too: ray.cancel raises in it)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc._transport.close()   # its pipes too: a flood's unread, paused pipe would keep wait() from returning
-            await proc.wait()
-    return out, err, failed or (proc.returncode and ("exit", f"exited with {proc.returncode}")) or None
+    proc = await asyncio.create_subprocess_exec(*command, cwd=cwd, env=env, start_new_session=True,
+                                                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE)
+    try:
+        async def feed():
+            with contextlib.suppress(ConnectionError):   # a program need not read its row
+                proc.stdin.write(data)
+                await proc.stdin.drain()
+                proc.stdin.close()
+        await asyncio.wait_for(asyncio.gather(feed(), out.read(proc.stdout, total),
+                                              err.read(proc.stderr, total), proc.wait()), timeout)
+    except (asyncio.TimeoutError, DropRollout) as e:   # the caller drops the rollout, with the stderr's tail
+        failed = (e.reason, str(e)) if isinstance(e, DropRollout) else ("timeout", f"{what} ran past {timeout:g}s: killed")
+    finally:   # the whole group, whatever it left running (a Ray task's too: ray.cancel raises in it)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc._transport.close()   # its pipes too: a flood's unread, paused pipe would keep wait() from returning
+        await proc.wait()
+    return out, err, failed or (proc.returncode and ("exit", f"{what} exited with {proc.returncode}")) or None
+
+
+async def run_process(argv: list[str], row: dict, env: dict, timeout: float, confined: bool = True) -> tuple:
+    """A `Program`'s process, here or in a Ray task, in a fresh temporary folder: `confined` in a sandbox of its own
+    (sandbox.py: `env` and an allow-list) or with `env` over this process's environment (with the run's tag,
+    faults.TAG); the row on stdin. A row's Harbor task (tasks.py): its files in the workspace, mounted at its WORKDIR,
+    then its verifier. -> (stdout, stderr, (reason, what) of a drop or None, the verifier's reward or None)."""
+    task = tasks.Task.load(row["task"]) if row.get("task") else None
+    with tempfile.TemporaryDirectory(prefix="molt-program-") as folder:
+        work, logs = Path(folder, "work"), Path(folder, "logs")
+        work.mkdir()
+        if task:
+            task.prepare(work)
+            env, timeout = {**task.env, **env}, min(task.timeouts["agent"] or timeout, timeout)   # within --agent_timeout
+        hide = (str(task.path.parent),) if task else ()   # not its tests, nor any task's solution
+        async with contextlib.AsyncExitStack() as stack:
+            command, full = await stack.enter_async_context(sandbox.confine(
+                argv, env, folder, timeout, str(work), task and task.workdir, hide=hide)) if confined else (
+                argv, {**os.environ, **env})
+            out, err, failed = await _process(command, full, str(work), json.dumps(row, default=str).encode() + b"\n",
+                                              timeout, "it")
+        if not task or failed:
+            return out, err, failed, None
+        shutil.copytree(task.path / "tests", Path(folder, "tests"))
+        (logs / "verifier").mkdir(parents=True)
+        (logs / "agent").mkdir()
+        mounts = ((str(Path(folder, "tests")), "/tests", False), (str(logs), "/logs", True))
+        seconds = task.timeouts["verifier"] or timeout
+        async with sandbox.confine(["bash", "/tests/test.sh"], {**task.env, **task.verifier_env}, folder, seconds,
+                                   str(work), task.workdir, mounts) as (command, full):
+            _, verr, vfailed = await _process(command, full, str(work), b"", seconds, "its task's tests/test.sh")
+        found = tasks.reward(logs / "verifier")
+        if found is None:   # the verifier's failure, its stderr shown
+            return out, verr, vfailed or ("no_reward", "its task's tests/test.sh wrote no /logs/verifier/reward.txt "
+                                          "or reward.json"), None
+        return out, err, None, found
 
 
 @functools.cache
@@ -486,9 +517,11 @@ class Program(ChatAgent):
     async def run(self, ctx: ChatContext) -> Result:
         args = (self.argv, ctx.row, {**self.env, "OPENAI_BASE_URL": ctx.base_url, "OPENAI_API_KEY": ctx.api_key,
                 "ANTHROPIC_BASE_URL": ctx.anthropic_base_url, "ANTHROPIC_API_KEY": ctx.api_key}, self.timeout, self.confined)
-        out, self.err, failed = await (self.on_node(args) if self.resources else run_process(*args))
+        out, self.err, failed, verdict = await (self.on_node(args) if self.resources else run_process(*args))
         if failed:
             raise self.drop(*failed)
+        if verdict is not None:   # a Harbor task's: its verifier's reward, whatever the program printed
+            return Result(reward=verdict)
         found = _reward_object(out.last)
         if found is None:
             raise self.drop("no_reward", "printed no reward: the last line of stdout must be a JSON object "

@@ -32,6 +32,8 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
+import tasks
+
 RG_PREFIX = "reasoning-gym:"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -160,11 +162,12 @@ FORMATS = {".jsonl": _jsonl, ".json": _json, ".parquet": _parquet, ".csv": _csv}
 
 def load_rows(path: str, input_key: str = "prompt", label_key: str = "label", image_key: str = "images",
               max_images: int | None = None) -> list[dict]:
-    """Every row of a dataset file or HF folder, checked; one clear error on the first bad row."""
+    """Every row of a dataset file, HF folder or folder of Harbor tasks (tasks.py), checked; one clear error on the
+    first bad row."""
     p = Path(path)
     if not (p.is_dir() or p.is_file()):
         raise ValueError(f"--dataset {path}: no such file")
-    reader = _hf_folder if p.is_dir() else FORMATS.get(p.suffix.lower())
+    reader = tasks.rows if tasks.is_folder(p) else _hf_folder if p.is_dir() else FORMATS.get(p.suffix.lower())
     if reader is None:
         raise ValueError(f"--dataset {path}: unknown format {p.suffix!r}; use one of "
                          f"{', '.join(FORMATS)}, a HF datasets folder or {RG_PREFIX}<task>")

@@ -22,6 +22,7 @@ import estimators
 import logs
 import lora
 import losses
+import tasks
 import vision
 
 ROOT = Path(__file__).resolve().parent
@@ -515,6 +516,9 @@ def validate(cfg: dict) -> dict:
     need(cfg["agent"] or cfg["eval_dataset"] or not (cfg["eval_every"] or cfg["eval_only"]),
          "--agent_cmd and --mcp_server have no built-in prompts: evaluating them needs --eval_dataset")
     need(cfg["agent"] is None or Path(cfg["agent"]).is_file(), f"--agent {cfg['agent']}: no such file")
+    if cfg["dataset"] and tasks.is_folder(Path(cfg["dataset"])):   # its paths (/app, /tests, /logs) are a sandbox's
+        need(cfg["agent_cmd"] is not None and cfg["program_sandbox"] == "on", f"--dataset {cfg['dataset']} holds "
+             "Harbor tasks: they run with --agent_cmd, in the program sandbox (--program_sandbox on)")
     # data and logging
     data.check_dataset(cfg)  # reads and checks every row: one error naming file, line/row and field
     for name in cfg["logger"]:  # the package of each backend has the backend's name

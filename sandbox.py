@@ -112,45 +112,61 @@ async def remove_cgroups(groups: list[str]):
 
 
 @contextlib.asynccontextmanager
-async def confine(argv: list[str], env: dict, folder: str, timeout: float):
+async def confine(argv: list[str], env: dict, folder: str, timeout: float, work: str | None = None,
+                  at: str | None = None, binds: tuple = (), hide: tuple = ()):
     """Yield (command, environment) that run `argv` sandboxed with `env` (the rollout's URLs and key, --program_env),
-    its workspace `folder`/work (made here), within `timeout` CPU seconds; the relay and cgroups end on exit."""
-    work, relayed = os.path.join(folder, "work"), os.path.join(folder, "relay")
-    os.mkdir(work)
-    os.mkdir(relayed, 0o755)
-    url = urlsplit(env["OPENAI_BASE_URL"])
-    relay = await asyncio.start_unix_server(_joined(lambda: asyncio.open_connection(url.hostname, url.port)),
-                                            os.path.join(relayed, "server.sock"))
-    os.chmod(os.path.join(relayed, "server.sock"), 0o777)
+    its workspace `work` (default: `folder`/work, made here) mounted at `at` (default: where it is), `binds`
+    ((source, inside, writable)) and the folders `hide` empty, within `timeout` CPU seconds; the relay (with a URL in
+    `env`) and cgroups end on exit."""
+    work = work or os.path.join(folder, "work")
+    os.makedirs(work, exist_ok=True)
+    at, relayed, url = at or work, tempfile.mkdtemp(dir=folder), urlsplit(env.get("OPENAI_BASE_URL", ""))
+    os.chmod(relayed, 0o755)
+    relay = url.port and await asyncio.start_unix_server(
+        _joined(lambda: asyncio.open_connection(url.hostname, url.port)), os.path.join(relayed, "server.sock"))
+    if relay:
+        os.chmod(os.path.join(relayed, "server.sock"), 0o777)
     home, root = os.path.expanduser("~"), os.geteuid() == 0
     hidden = [home.rstrip("/") + "/", "/tmp/"]   # under tmpfs mounts: what it needs from there is shown again
     needed = {sys.prefix, sys.base_prefix, os.getcwd(), os.path.dirname(__file__)} | {
         os.path.abspath(a) for a in argv if os.path.isfile(a)}
     shown = {p for p in needed if any(p.startswith(h) for h in hidden)}
-    folders = sorted({str(d) for p in shown | {work} for d in Path(p).parents if any(str(d).startswith(h) for h in hidden)})
+    mounts = [(work, at, True), *binds]
+    folders = sorted({str(d) for p in shown | {m[1] for m in mounts} for d in Path(p).parents   # bwrap makes these
+                      if any(str(d).startswith(h) for h in hidden) or not d.exists()})
+    overlays = {next(str(d) for d in Path(inside).parents if d.exists()) for _, inside, _ in mounts
+                if not os.path.exists(inside)}   # a host folder (read-only) gets a writable layer to hold the mount
+    overlays = sorted(d for d in overlays if d not in ("/", "/run") and not any((d + "/").startswith(h) for h in hidden))
     uid = UIDS + secrets.randbelow(2**30) if root else -1   # as root: its own (bwrap maps any uid it sets to ours)
-    if root:
-        os.chown(work, uid, uid)
+    for d, _, files in (walk for source, _, writable in mounts if root and writable for walk in os.walk(source)):
+        for path in (d, *(os.path.join(d, f) for f in files)):   # all of it its own (a task's files, a verifier's)
+            os.lchown(path, uid, uid)
     groups = cgroups(MEMORY_MB, NPROC, "the program sandbox") if root else []
     join = ["sh", "-c", f'echo $$ | tee {" ".join(g + "/cgroup.procs" for g in groups)} >/dev/null && exec "$@"',
             "sh"] if groups else []   # bwrap and all it starts are in the cgroups
-    inside = {**{k: os.environ[k] for k in ALLOWED if k in os.environ}, **env, "HOME": work, "TMPDIR": "/tmp",
+    inside = {**{k: os.environ[k] for k in ALLOWED if k in os.environ}, **env, "HOME": at, "TMPDIR": "/tmp",
               "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", os.defpath),   # its python
               **{k: url._replace(netloc=f"127.0.0.1:{url.port}").geturl() for k in URLS if k in env}}
+    top = [a for p in sorted(set(Path("/").iterdir()) - {Path(d) for d in ("/proc", "/dev", "/tmp", "/run")})
+           for a in (("--symlink", os.readlink(p), str(p)) if p.is_symlink() else ("--ro-bind", str(p), str(p)))]
     command = [*join, bwrap(), *([] if root else ["--unshare-user"]), "--unshare-pid", "--unshare-ipc",
                "--unshare-uts", "--unshare-net", "--unshare-cgroup-try", "--die-with-parent", "--new-session",
-               "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/run", "--tmpfs", home,
+               *top, "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/run", "--tmpfs", home,   # the host's root, read-only
                "--size", str(2**30), "--perms", "1777", "--tmpfs", "/tmp",
+               *[a for d in overlays for a in ("--overlay-src", d, "--tmp-overlay", d)],
                *[a for d in folders for a in ("--perms", "0755", "--dir", d)],   # else bwrap makes them 0700
-               *[a for p in sorted(shown) for a in ("--ro-bind", p, p)], "--bind", work, work,
-               "--ro-bind", relayed, os.path.dirname(SOCKET), "--chdir", work, "--",
-               sys.executable, "-E", "-s", os.path.abspath(__file__), str(url.port), str(uid), str(int(timeout) + 1),
+               *[a for p in sorted(shown) for a in ("--ro-bind", p, p)],
+               *[a for source, inside, writable in mounts for a in ("--bind" if writable else "--ro-bind", source, inside)],
+               *[a for p in hide for a in ("--tmpfs", p)],
+               "--ro-bind", relayed, os.path.dirname(SOCKET), "--chdir", at, "--",
+               sys.executable, "-E", "-s", os.path.abspath(__file__), str(url.port or 0), str(uid), str(int(timeout) + 1),
                str(NPROC if root else -1), str(NOFILE), *argv]
     try:
         yield command, inside
     finally:
-        relay.close()
-        await relay.wait_closed()
+        if relay:
+            relay.close()
+            await relay.wait_closed()
         await remove_cgroups(groups)
 
 
@@ -174,11 +190,12 @@ def check():
 
 
 async def _inside(port: int, uid: int, argv: list[str]) -> int:
-    server = await asyncio.start_server(_joined(lambda: asyncio.open_unix_connection(SOCKET)), "127.0.0.1", port)
+    server = port and await asyncio.start_server(_joined(lambda: asyncio.open_unix_connection(SOCKET)), "127.0.0.1", port)
     who = {"user": uid, "group": uid, "extra_groups": []} if uid >= 0 else {}   # no capability survives the setuid
     proc = await asyncio.create_subprocess_exec(*argv, **who)   # stdin, stdout and stderr are the sandbox's
     code = await proc.wait()
-    server.close()
+    if server:
+        server.close()
     return code if code >= 0 else 128 - code
 
 

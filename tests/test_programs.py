@@ -154,7 +154,7 @@ def test_a_program_gets_its_row_key_and_own_folder_and_group(tmp_path, server, l
     seen = [json.loads((report / row["prompt"]).read_text()) for row, _, _ in got]
     for (row, segs, rec), r in zip(got, seen):
         assert r["row"] == row and r["files"] == [] and r["group"]
-        assert not Path(r["cwd"]).exists() and Path(r["cwd"]).name.startswith("molt-program-")
+        assert not Path(r["cwd"]).exists() and Path(r["cwd"]).parent.name.startswith("molt-program-")
         env = r["env"]
         assert env["OPENAI_BASE_URL"].startswith(server.url + "/s/") and env["OPENAI_BASE_URL"].endswith("/v1")
         assert env["ANTHROPIC_BASE_URL"] + "/v1" == env["OPENAI_BASE_URL"]

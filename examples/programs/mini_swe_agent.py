@@ -26,6 +26,8 @@ done = subprocess.run([mini, "--agent-class", "default", "--environment-class", 
                        "--exit-immediately", "-c", "mini.yaml", "-c", f"agent.step_limit={os.environ.get('MINI_STEPS', 3)}",
                        "-c", "agent.cost_limit=0", "-o", str(Path.cwd() / ".trajectory.json"), "-t", row["prompt"]],
                       env=env, stdin=subprocess.DEVNULL, stdout=sys.stderr)   # its console output: stderr
+if row.get("task"):   # a Harbor task (--dataset examples/tasks): its tests/test.sh gives the reward
+    sys.exit(done.returncode)
 target = Path(row["label"]["file"])
 right = target.is_file() and target.read_text().strip() == row["label"]["content"]
 print(json.dumps({"reward": float(right), "info": {"mini_exit": done.returncode}}))
