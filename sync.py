@@ -16,13 +16,29 @@ from typing import Iterator
 import safetensors.torch
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 import lora
 import parallel
 
 
 class WeightSender:
-    """The trainer's half (it uses Trainer's full_state_dict, frozen, dims, device, cfg)."""
+    """The trainer's half (it uses Trainer's model, tied, frozen, dims, device, cfg)."""
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full weights in transformers' in-memory names (MoE experts fused [E, ...]), on CPU.
+        Every rank must call it (collectives); rank 0 gets the tensors."""
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        for name, module in self.model.named_modules():
+            if isinstance(module, parallel.EPExperts):  # gather this rank's experts, then all EP ranks'
+                for pname, p in module.named_parameters():
+                    local = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+                    parts = [torch.empty_like(local) for _ in range(self.dims.ep)]
+                    torch.distributed.all_gather(parts, local.contiguous(), group=self.dims.group("ep"))
+                    sd[f"{name}.{pname}"] = torch.cat(parts).cpu()   # [E, ...]
+        if self.tied:
+            sd.pop("lm_head.weight", None)  # the engine ties it to the embedding itself
+        return sd
 
     def sync_state_dict(self) -> dict[str, torch.Tensor]:
         """What the engine receives: checkpoint names vLLM's load_weights takes (MoE experts per expert:

@@ -26,7 +26,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 import batches
 import checkpoint
@@ -387,21 +386,6 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
         return {"value_loss": losses.aggregate(per_token, m, "token_mean", num_tokens=step_tokens)}
 
     # ---- weights out ----------------------------------------------------------------------
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full weights in transformers' in-memory names (MoE experts fused [E, ...]), on CPU.
-        Every rank must call it (collectives); rank 0 gets the tensors."""
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        for name, module in self.model.named_modules():
-            if isinstance(module, parallel.EPExperts):  # gather this rank's experts, then all EP ranks'
-                for pname, p in module.named_parameters():
-                    local = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-                    parts = [torch.empty_like(local) for _ in range(self.dims.ep)]
-                    torch.distributed.all_gather(parts, local.contiguous(), group=self.dims.group("ep"))
-                    sd[f"{name}.{pname}"] = torch.cat(parts).cpu()   # [E, ...]
-        if self.tied:
-            sd.pop("lm_head.weight", None)  # the engine ties it to the embedding itself
-        return sd
-
     def export(self, path: str) -> str:
         """Write a save_pretrained folder (model + tokenizer) that vLLM and transformers load."""
         adapter = lora.peft_config(self.cfg)
