@@ -18,6 +18,8 @@ sets the limits, serves the relay's inner end on 127.0.0.1:PORT and runs ARGV as
 import asyncio
 import concurrent.futures
 import contextlib
+import ctypes
+import json
 import os
 import resource
 import secrets
@@ -28,13 +30,13 @@ import warnings
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from faults import TAG
-
 MEMORY_MB, NPROC, NOFILE = 4096, 512, 4096   # per rollout (NPROC: per uid, so per sandbox only as root)
 UIDS = 2**30   # as root, a sandbox runs as UIDS + a random number: its files and process count its own
-ALLOWED = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TERM", "TZ", TAG)   # TAG: the run's reaper finds it
+ALLOWED = ("LANG", "LC_ALL", "LC_CTYPE", "TERM", "TZ")   # and faults.TAG: the run's reaper finds it
+KEYCTL = {"x86_64": 250, "aarch64": 219, "riscv64": 219}   # the keyctl syscall's number (else: no sandbox)
 SOCKET = "/run/molt/server.sock"   # the relay's socket, inside
 URLS = ("OPENAI_BASE_URL", "ANTHROPIC_BASE_URL")
+SITE = os.path.join(sys.base_prefix, "lib", "python%d.%d" % sys.version_info[:2], "site-packages")
 
 
 class SandboxError(RuntimeError):
@@ -111,56 +113,76 @@ async def remove_cgroups(groups: list[str]):
             await asyncio.sleep(0.01)
 
 
+def _host_root(home: str) -> list[str]:
+    """The host's root read-only, its home hidden."""
+    top = [a for p in sorted(set(Path("/").iterdir()) - {Path(d) for d in ("/proc", "/dev", "/tmp", "/run")})
+           for a in (("--symlink", os.readlink(p), str(p)) if p.is_symlink() else ("--ro-bind", str(p), str(p)))]
+    return [*top, "--tmpfs", home]
+
+
+def _minimal_root() -> list[str]:
+    """The system's programs and libraries, nothing else (the Python install is shown again, its packages hidden)."""
+    return [a for p in ("/usr", "/bin", "/lib", "/lib64", "/sbin", "/etc/ld.so.cache") if os.path.lexists(p)
+            for a in (("--symlink", os.readlink(p), p) if os.path.islink(p) else ("--ro-bind", p, p))]
+
+
 @contextlib.asynccontextmanager
 async def confine(argv: list[str], env: dict, folder: str, timeout: float, work: str | None = None,
-                  at: str | None = None, binds: tuple = (), hide: tuple = ()):
+                  at: str | None = None, binds: tuple = (), hide: tuple = (), minimal: bool = False,
+                  limits: dict | None = None, ready: str = ""):
     """Yield (command, environment) that run `argv` sandboxed with `env` (the rollout's URLs and key, --program_env),
     its workspace `work` (default: `folder`/work, made here) mounted at `at` (default: where it is), `binds`
-    ((source, inside, writable)) and the folders `hide` empty, within `timeout` CPU seconds; the relay (with a URL in
-    `env`) and cgroups end on exit."""
+    ((source, inside, writable)) and the folders `hide` empty, on the host's root or a `minimal` one, within `timeout`
+    CPU seconds and `limits` (MEMORY_MB, NPROC, rlimits by resource's names), `ready` written to stdout just before
+    `argv` starts; the relay (with a URL in `env`) and the cgroups end on exit."""
+    from faults import TAG   # here: the sandbox's own copy of this file imports nothing of the project's
+    limits = {"MEMORY_MB": MEMORY_MB, "NPROC": NPROC, "RLIMIT_NOFILE": NOFILE, **(limits or {})}
     work = work or os.path.join(folder, "work")
     os.makedirs(work, exist_ok=True)
     at, relayed, url = at or work, tempfile.mkdtemp(dir=folder), urlsplit(env.get("OPENAI_BASE_URL", ""))
     os.chmod(relayed, 0o755)
+    shutil.copy(__file__, os.path.join(relayed, "sandbox.py"))
     relay = url.port and await asyncio.start_unix_server(
         _joined(lambda: asyncio.open_connection(url.hostname, url.port)), os.path.join(relayed, "server.sock"))
     if relay:
         os.chmod(os.path.join(relayed, "server.sock"), 0o777)
     home, root = os.path.expanduser("~"), os.geteuid() == 0
     hidden = [home.rstrip("/") + "/", "/tmp/"]   # under tmpfs mounts: what it needs from there is shown again
-    needed = {sys.prefix, sys.base_prefix, os.getcwd(), os.path.dirname(__file__)} | {
+    needed = {sys.base_prefix} if minimal else {sys.prefix, sys.base_prefix, os.getcwd()} | {
         os.path.abspath(a) for a in argv if os.path.isfile(a)}
-    shown = {p for p in needed if any(p.startswith(h) for h in hidden)}
+    shown = {p for p in needed if minimal or any(p.startswith(h) for h in hidden)}
     mounts = [(work, at, True), *binds]
     folders = sorted({str(d) for p in shown | {m[1] for m in mounts} for d in Path(p).parents   # bwrap makes these
                       if any(str(d).startswith(h) for h in hidden) or not d.exists()})
     overlays = {next(str(d) for d in Path(inside).parents if d.exists()) for _, inside, _ in mounts
                 if not os.path.exists(inside)}   # a host folder (read-only) gets a writable layer to hold the mount
-    overlays = sorted(d for d in overlays if d not in ("/", "/run") and not any((d + "/").startswith(h) for h in hidden))
+    overlays = sorted(d for d in overlays if not minimal and d not in ("/", "/run") and not any(
+        (d + "/").startswith(h) for h in hidden))
     uid = UIDS + secrets.randbelow(2**30) if root else -1   # as root: its own (bwrap maps any uid it sets to ours)
     for d, _, files in (walk for source, _, writable in mounts if root and writable for walk in os.walk(source)):
         for path in (d, *(os.path.join(d, f) for f in files)):   # all of it its own (a task's files, a verifier's)
             os.lchown(path, uid, uid)
-    groups = cgroups(MEMORY_MB, NPROC, "the program sandbox") if root else []
+    groups = cgroups(limits["MEMORY_MB"], limits["NPROC"] + 3, "the sandbox")   # + bwrap's two, sandbox.py
     join = ["sh", "-c", f'echo $$ | tee {" ".join(g + "/cgroup.procs" for g in groups)} >/dev/null && exec "$@"',
             "sh"] if groups else []   # bwrap and all it starts are in the cgroups
-    inside = {**{k: os.environ[k] for k in ALLOWED if k in os.environ}, **env, "HOME": at, "TMPDIR": "/tmp",
-              "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", os.defpath),   # its python
+    inside = {**{k: os.environ[k] for k in (*ALLOWED, TAG) if k in os.environ}, "HOME": at, "TMPDIR": "/tmp",
+              "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", os.defpath), **env,
               **{k: url._replace(netloc=f"127.0.0.1:{url.port}").geturl() for k in URLS if k in env}}
-    top = [a for p in sorted(set(Path("/").iterdir()) - {Path(d) for d in ("/proc", "/dev", "/tmp", "/run")})
-           for a in (("--symlink", os.readlink(p), str(p)) if p.is_symlink() else ("--ro-bind", str(p), str(p)))]
+    rlimits = {"RLIMIT_CPU": int(timeout) + 1, "RLIMIT_CORE": 0, **({"RLIMIT_NPROC": limits["NPROC"]} if root else {}),
+               **{k: v for k, v in limits.items() if k.startswith("RLIMIT_")}}
+    setup = json.dumps({"port": url.port or 0, "uid": uid, "rlimits": rlimits, "ready": ready})
     command = [*join, bwrap(), *([] if root else ["--unshare-user"]), "--unshare-pid", "--unshare-ipc",
                "--unshare-uts", "--unshare-net", "--unshare-cgroup-try", "--die-with-parent", "--new-session",
-               *top, "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/run", "--tmpfs", home,   # the host's root, read-only
-               "--size", str(2**30), "--perms", "1777", "--tmpfs", "/tmp",
+               *(_minimal_root() if minimal else _host_root(home)), "--dev", "/dev", "--proc", "/proc",
+               "--tmpfs", "/run", "--size", str(2**30), "--perms", "1777", "--tmpfs", "/tmp",
                *[a for d in overlays for a in ("--overlay-src", d, "--tmp-overlay", d)],
                *[a for d in folders for a in ("--perms", "0755", "--dir", d)],   # else bwrap makes them 0700
                *[a for p in sorted(shown) for a in ("--ro-bind", p, p)],
                *[a for source, inside, writable in mounts for a in ("--bind" if writable else "--ro-bind", source, inside)],
                *[a for p in hide for a in ("--tmpfs", p)],
+               *(["--tmpfs", SITE] if minimal and os.path.isdir(SITE) else []),   # its installed packages hidden
                "--ro-bind", relayed, os.path.dirname(SOCKET), "--chdir", at, "--",
-               sys.executable, "-E", "-s", os.path.abspath(__file__), str(url.port or 0), str(uid), str(int(timeout) + 1),
-               str(NPROC if root else -1), str(NOFILE), *argv]
+               os.path.realpath(sys.executable), "-I", os.path.join(os.path.dirname(SOCKET), "sandbox.py"), setup, *argv]
     try:
         yield command, inside
     finally:
@@ -189,9 +211,10 @@ def check():
                          "programs unconfined")
 
 
-async def _inside(port: int, uid: int, argv: list[str]) -> int:
+async def _inside(port: int, uid: int, ready: str, argv: list[str]) -> int:
     server = port and await asyncio.start_server(_joined(lambda: asyncio.open_unix_connection(SOCKET)), "127.0.0.1", port)
     who = {"user": uid, "group": uid, "extra_groups": []} if uid >= 0 else {}   # no capability survives the setuid
+    os.write(1, ready.encode())
     proc = await asyncio.create_subprocess_exec(*argv, **who)   # stdin, stdout and stderr are the sandbox's
     code = await proc.wait()
     if server:
@@ -199,10 +222,11 @@ async def _inside(port: int, uid: int, argv: list[str]) -> int:
     return code if code >= 0 else 128 - code
 
 
-if __name__ == "__main__":   # in the sandbox: its limits, the relay's inner end, the program
-    port, uid, cpu, nproc, nofile = map(int, sys.argv[1:6])
-    for limit, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_NPROC, nproc), (resource.RLIMIT_NOFILE, nofile),
-                         (resource.RLIMIT_CORE, 0)):
-        if value >= 0:
-            resource.setrlimit(limit, (value, value))
-    os._exit(asyncio.run(_inside(port, uid, sys.argv[6:])))
+if __name__ == "__main__":   # in the sandbox (as PID 2, root: bwrap's uids map onto the caller's): limits, the relay
+    setup = json.loads(sys.argv[1])
+    for name, value in setup["rlimits"].items():
+        resource.setrlimit(getattr(resource, name), (value, value))
+    keyctl = KEYCTL.get(os.uname().machine)
+    if keyctl is None or ctypes.CDLL(None).syscall(keyctl, 1, None) < 0:   # KEYCTL_JOIN_SESSION_KEYRING: a new one
+        sys.exit("sandbox set-up failed: no session keyring of its own")
+    os._exit(asyncio.run(_inside(setup["port"], setup["uid"], setup["ready"], sys.argv[2:])))
