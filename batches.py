@@ -105,11 +105,16 @@ def plan(cfg: dict, dims, rows: torch.Tensor, lengths: torch.Tensor, groups: tor
 
 
 def mini_batches(groups: torch.Tensor, n: int, generator: torch.Generator) -> list[torch.Tensor]:
-    """n mini-batches of the rows: whole groups (whose rows share their prompt in `layout`) in a random order."""
-    if n == 1:
-        return [torch.arange(len(groups))]
-    key = torch.randperm(len(groups), generator=generator)[groups.unique(return_inverse=True)[1]]
-    return list(torch.argsort(key, stable=True).tensor_split(n))   # exactly n parts (chunk may give fewer)
+    """n mini-batches of whole groups (sharing a prompt in `layout`), in a random order, near-equal in rows."""
+    _, of, sizes = groups.unique(return_inverse=True, return_counts=True)
+    order = torch.randperm(len(sizes), generator=generator)
+    if len(sizes) < n:   # too few groups: n near-equal runs of rows, by group (chunk may give fewer)
+        return list(torch.argsort(order[of], stable=True).tensor_split(n))
+    load, part, slots = [0] * n, torch.empty_like(sizes), torch.randperm(n, generator=generator).tolist()
+    for g in order[torch.argsort(sizes[order], descending=True, stable=True)].tolist():   # largest first
+        part[g] = i = min(slots, key=load.__getitem__)      # part [groups]: the mini-batch with the fewest rows
+        load[i] += int(sizes[g])
+    return list(torch.argsort(part[of], stable=True).split(load))
 
 
 def share_pays(prefix: int, suffixes: list[int], hidden: int) -> bool:

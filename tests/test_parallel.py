@@ -5,7 +5,7 @@ One process group per world size (2 and 4, spawned with torch.multiprocessing) r
 all its cases; each case trains 2 optimizer steps (--mini_batches 2) on 7 trajectories
 of unequal length (so ranks get unequal rows and empty micro-batches are padded) and
 is compared with a plain single-process Trainer in this process: the same policy loss
-and the same updated weights within fp32 tolerance TOL (summation order differs).
+and the same updated weights within fp32 tolerance (summation order differs): TOL, ADAM_TOL.
 Also: routing replay, --freeze_router, DCP checkpoints and invalid layouts.
 
     python -m pytest -q tests/test_parallel.py
@@ -22,7 +22,9 @@ import torch
 import batches
 from test_engine import trainer_cfg
 
-TOL = 2e-5      # fp32: max |difference| of losses and of every updated weight
+TOL = 2e-5      # fp32: max |difference| of losses and of every weight plain SGD (the -sgd cases) updated
+ADAM_TOL = 1e-4   # of a weight AdamW updated (its steps: ~lr = 1e-3): where a gradient nearly cancels, it lifts
+                  # fp32 noise to 5e-5 (dense-tp2, each mini-batch one group; the -sgd cases: within 3e-8)
 
 
 def _trajectories(n=7):
@@ -96,7 +98,7 @@ def _compare(result, ref_metrics, ref_state, what):
     assert result["metrics"]["action_tokens"] == ref_metrics["action_tokens"], what
     assert result["state"].keys() == ref_state.keys(), what
     worst = max((result["state"][k] - ref_state[k]).abs().max().item() for k in ref_state)
-    assert worst < TOL, f"{what}: weights differ by {worst}"
+    assert worst < (TOL if what.endswith("-sgd") else ADAM_TOL), f"{what}: weights differ by {worst}"
 
 
 @pytest.fixture(scope="module")
@@ -252,6 +254,31 @@ def test_mini_batches_hold_whole_groups_in_a_random_order():
     assert all(sorted(torch.cat(p).tolist()) == list(range(9)) and all(len(set(groups[q].tolist())) == 1 for q in p)
                for p in parts)
     assert len({tuple(p[0].tolist()) for p in parts}) > 1 and batches.mini_batches(groups, 1, g)[0].tolist() == list(range(9))
+
+
+def test_mini_batches_keep_unequal_groups_whole_and_near_equal():
+    """Groups of unequal size (after drops, branches, segments): each group in exactly one of exactly n
+    mini-batches, none empty, their rows apart by at most the largest group (issue 46 item 5: groups of
+    4, 4, 3, 5 into 2 were cut, [[3,3,3,3,3,0,0,0],[0,2,2,2,1,1,1,1]])."""
+    def check(sizes, n, seed, shuffled=False):   # rows in group order, as collated, or not
+        groups = torch.tensor([g for g, k in enumerate(sizes) for _ in range(k)])
+        groups = groups[torch.randperm(len(groups), generator=rng)] if shuffled else groups
+        parts = batches.mini_batches(groups, n, torch.Generator().manual_seed(seed))
+        assert len(parts) == n and sorted(torch.cat(parts).tolist()) == list(range(len(groups))), (sizes, n)
+        owner = {g: i for i, p in enumerate(parts) for g in groups[p].tolist()}
+        assert all(sorted(groups[p].tolist()) == [g for g in range(len(sizes)) for _ in range(sizes[g])
+                                                  if owner[g] == i] for i, p in enumerate(parts)), (sizes, n)
+        rows = [len(p) for p in parts]
+        assert min(rows) > 0 and max(rows) - min(rows) <= max(sizes), (sizes, n, rows)
+        return sorted(rows)
+    rng = torch.Generator().manual_seed(46)
+    for seed in range(10):   # (seed 1 was the review's case)
+        assert check([4, 4, 3, 5], 2, seed) == [8, 8] and check([1, 7, 2, 2, 4], 2, seed) == [8, 8]
+        assert check([6, 1, 1, 1, 1], 2, seed) == [4, 6] and check([2, 3, 4, 5, 6, 7], 3, seed) == [9, 9, 9]
+        assert check([1, 1, 1, 9], 4, seed) == [1, 1, 1, 9] and check([3, 3, 3], 3, seed) == [3, 3, 3]
+    for seed in range(300):   # property-style: random shapes, at least n groups
+        sizes = torch.randint(1, 9, (int(torch.randint(1, 13, (1,), generator=rng)),), generator=rng).tolist()
+        check(sizes, int(torch.randint(1, len(sizes) + 1, (1,), generator=rng)), seed, shuffled=True)
 
 
 def test_single_process_modes_match(tiny_model, references):
