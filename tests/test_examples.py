@@ -288,6 +288,21 @@ for _ in range(200):
         break
 print('FORKED', n)
 """
+FILES = """import errno, os, resource
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+fds = []
+try:
+    for _ in range(4096):   # each process had the driver's limit (e.g. 20000): NPROC x that per sandbox
+        fds.append(os.open('/dev/null', os.O_RDONLY))
+    print('OPENED ALL')
+except OSError as e:
+    print('LIMIT', soft, hard, len(fds), errno.errorcode[e.errno])
+try:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard + 1, hard + 1))
+    print('RAISED')
+except (OSError, ValueError):
+    print('FIXED')
+"""
 
 
 @pytest.mark.parametrize("path", ["as the trainer's user", "non-root path", "no cgroup"])
@@ -295,7 +310,8 @@ def test_sandbox_limits_memory_and_processes_per_sandbox(path, monkeypatch):
     """Memory held in memfds (shared memory, outside any process's address space) and in
     several processes counts against one limit per sandbox, and the sandbox has a process cap,
     on the non-root path too (a cgroup where the machine allows it; else RLIMIT_NPROC, counted
-    per sandbox: its own uid)."""
+    per sandbox: its own uid); each process opens at most NOFILE files, a limit it cannot raise
+    (issue 46 item 8: each inherited the driver's, and 8 forks opened 157k)."""
     import os
     _, module = load("python_tool.py")
     if path == "non-root path":   # (as root: a user namespace mapping root, the cgroup is the cap)
@@ -313,8 +329,13 @@ def test_sandbox_limits_memory_and_processes_per_sandbox(path, monkeypatch):
     async def run_all():
         return await asyncio.gather(module.run_python(MEMFDS, timeout=4, memory_mb=128),
                                     module.run_python(CHILDREN, timeout=6, memory_mb=128),
+                                    module.run_python(FILES, timeout=4),
                                     module.run_python(FORKS, timeout=4), module.run_python(FORKS, timeout=4))
-    memfds, children, *forks = asyncio.run(run_all())
+    memfds, children, files, *forks = asyncio.run(run_all())
+    assert "OPENED ALL" not in files, files
+    _, soft, hard, opened, error, raised = files.split()
+    assert (int(soft), int(hard), error, raised) == (module.NOFILE, module.NOFILE, "EMFILE", "FIXED"), files
+    assert module.NOFILE - 8 < int(opened) < module.NOFILE, files   # (stdin, stdout, stderr are open)
     for out in forks:   # each sandbox its own cap (two at once: not one shared by both)
         assert out.startswith(f"FORKED {module.NPROC - 1}\n"), out
     if path != "no cgroup":

@@ -44,6 +44,7 @@ SYSTEM = ("You can run Python. To run code, write it in a ```python code block; 
           "it prints. When you know the answer, reply with <answer>NUMBER</answer> and nothing else.")
 UIDS = 2**31   # the snippet runs as UIDS + a random number (when the trainer is root)
 NPROC = 64   # processes per sandbox (RLIMIT_NPROC counts a uid's: one uid, or user namespace, per sandbox)
+NOFILE = 256   # open files per process (RLIMIT_NOFILE; else each inherits the driver's, e.g. 20000: NPROC x that)
 KEYCTL = {"x86_64": 250, "aarch64": 219, "riscv64": 219}   # the keyctl syscall's number (else: refused)
 READY = b"\0sandbox ready\n"   # written just before the snippet starts (none: set-up failed)
 
@@ -103,7 +104,7 @@ if child == 0:
     try:
         os.setsid()   # its own process group: kill(0) from the snippet stays inside
         limits = [(resource.RLIMIT_AS, memory), (resource.RLIMIT_CPU, cpu), (resource.RLIMIT_FSIZE, 8 << 20),
-                  (resource.RLIMIT_NPROC, NPROC)]
+                  (resource.RLIMIT_NPROC, NPROC), (resource.RLIMIT_NOFILE, NOFILE)]
         for limit, value in limits:
             resource.setrlimit(limit, (value, value))
         for cap in range(64):   # an empty bounding set: nothing regains a capability at exec
@@ -140,8 +141,8 @@ def sandbox_command(timeout: float, memory_mb: int, root: str, code: str, groups
     """`unshare` and the launcher (a non-root caller: in a user namespace, as root there to mount)."""
     userns = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
     uid = UIDS + secrets.randbelow(2**30)   # its own uid: user keyring and process count not shared
-    launcher = (f"UID, READY, in_userns, TAG, GROUPS, NPROC, KEYCTL = {uid}, {READY!r}, {bool(userns)}, {TAG!r}, "
-                f"{groups!r}, {NPROC}, {KEYCTL.get(os.uname().machine, -1)}\n" + LAUNCHER)
+    launcher = (f"UID, READY, in_userns, TAG, GROUPS, NPROC, NOFILE, KEYCTL = {uid}, {READY!r}, {bool(userns)}, "
+                f"{TAG!r}, {groups!r}, {NPROC}, {NOFILE}, {KEYCTL.get(os.uname().machine, -1)}\n" + LAUNCHER)
     return ["unshare", "--pid", "--fork", "--kill-child", "--mount", "--net", "--ipc", "--uts", *userns,
             os.path.realpath(sys.executable), "-I", "-c", launcher, root, code, str(memory_mb * 2**20),
             str(int(timeout) + 1)]
