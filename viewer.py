@@ -60,9 +60,9 @@ def sampled_text(t: dict, texts: dict[int, str]) -> str:
 
 
 def page(title: str, body: str, data: dict | None = None) -> str:
-    """A self-contained page: inline CSS and JS, the step's data as JSON (`</` escaped for the script tag)."""
+    """A self-contained page: inline CSS and JS, the step's data as JSON with no markup (`<>&` as \\u escapes)."""
     css, js = ((ROOT / "assets" / f).read_text() for f in ("viewer.css", "viewer.js"))
-    blob = json.dumps(data, separators=(",", ":")).replace("</", "<\\/") if data is not None else "null"
+    blob = json.dumps(data, separators=(",", ":")).translate({ord(c): f"\\u{ord(c):04x}" for c in "<>&\u2028\u2029"})
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{css}</style></head><body>{body}<script type='application/json' id='data'>{blob}</script>"
             f"<script>{js}</script></body></html>")

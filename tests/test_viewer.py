@@ -237,3 +237,24 @@ def test_a_run_without_dumps_is_refused_and_an_old_dump_says_what_is_missing(tin
     (tmp_path / "dump" / "step_000000.jsonl").write_text(json.dumps(old) + "\n")
     page = (viewer.write(tmp_path).parent / "step_000000.html").read_text()
     assert '"missing":["advantages","trainer_logprobs"]' in page
+
+
+HOSTILE = {"rollouts": [{"dropped": "error", "group": 0, "prompt": "<!--<script>a & b > c",
+                         "detail": "</script><script>alert(1)</script>\u2028\u2029"}],
+           "step": 1, "texts": {}, "prev": False, "next": False, "missing": []}
+
+
+def test_data_blob_holds_no_markup_and_round_trips():
+    """Model text with `<!--<script` (the HTML script-data escaped state) and `</script>` cannot end or
+    extend the data's script element: the blob holds no `<`, `>` or `&` and is the same JSON (issue 46 item 11d)."""
+    blob = viewer.page("t", "", HOSTILE).split("<script type='application/json' id='data'>", 1)[1].split("</script>")[0]
+    assert not set(blob) & set("<>&\u2028\u2029"), blob
+    assert json.loads(blob) == HOSTILE
+
+
+def test_markup_in_model_text_is_shown_as_text(chromium, tmp_path):
+    """The browser's viewer.js reads the same data back (textContent, JSON.parse) and shows the text as text."""
+    (tmp_path / "step.html").write_text(viewer.page("t", "<div id='step'></div>", HOSTILE))
+    dropped = Dom(browse(chromium, tmp_path / "step.html", "#open=0")).find("details", "dropped")
+    assert len(dropped) == 1 and "<!--<script>a & b > c" in dropped[0]["text"], dropped
+    assert "</script><script>alert(1)</script>" in dropped[0]["text"], dropped
