@@ -138,7 +138,7 @@ _INERT = {"openai": "user store " + _CACHE, "responses": "user store stream_opti
 _THINK = "thinking output_config context_management"
 IGNORED = {"openai": "temperature top_p seed reasoning_effort", "anthropic": "temperature top_p top_k " + _THINK,
            "count_tokens": _THINK, "responses": "temperature top_p reasoning"}
-_KEYS = {"reasoning": ("effort", "summary", "generate_summary"), "thinking": ("type", "budget_tokens"),
+_KEYS = {"reasoning": ("effort", "summary", "generate_summary"), "thinking": ("type", "budget_tokens", "display"),
          "output_config": ("effort",)}
 THINKING = ("reasoning_effort", "reasoning", "thinking")   # what a template's thinking switch follows
 MODES = ("none", "disabled", "minimal", "low", "medium", "high", "xhigh", "max", "enabled", "adaptive")   # 2 off
@@ -232,8 +232,8 @@ def anthropic_request(body: dict, count_only: bool = False) -> Request:
     messages = [{"role": "system", "content": _text(body["system"], "system")}] if body.get("system") else []
     for i, m in enumerate(body["messages"]):
         where = f"messages.{i}"
-        need(isinstance(m, dict) and m.get("role") in ("user", "assistant"),
-             f"{where}.role: must be user or assistant")
+        need(isinstance(m, dict) and m.get("role") in ("user", "assistant", "system"),   # system: Claude Code's, mid-turn
+             f"{where}.role: must be user, assistant or system")
         blocks = [{"type": "text", "text": m["content"]}] if isinstance(m.get("content"), str) else m.get("content")
         need(isinstance(blocks, list), f"{where}.content: must be a string or a list of blocks")
         text, calls = [], []

@@ -49,7 +49,8 @@ def claude_body(stream: bool, thinking: dict) -> tuple[dict, dict]:
     plain = {"model": "claude-sonnet-4-5-20250929", "max_tokens": 32000, "stream": stream,
              "system": [{"type": "text", "text": "You are Claude Code."}],
              "messages": [{"role": "user", "content": [{"type": "text", "text": "<system-reminder/>"},
-                                                       {"type": "text", "text": "3?7="}]}],
+                                                       {"type": "text", "text": "3?7="}]},
+                          {"role": "system", "content": [{"type": "text", "text": "# Environment"}]}],   # 2.1.332's
              "tools": [{"name": "Bash", "description": "Runs a command", "input_schema": SHELL}]}
     claude = copy.deepcopy(plain)
     claude["system"][0].update(ephemeral)
@@ -111,8 +112,8 @@ def test_a_codex_request_is_served_its_extra_fields_named(server, loop, stream, 
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("thinking", [{"type": "adaptive"}, {"type": "enabled", "budget_tokens": 31999},
-                                      {"type": "disabled"}])
+@pytest.mark.parametrize("thinking", [{"type": "adaptive", "display": "omitted"},   # 2.1.332's
+                                      {"type": "enabled", "budget_tokens": 31999}, {"type": "disabled"}])
 def test_a_claude_code_request_is_served_its_extra_fields_named(server, loop, stream, thinking):
     tok = smol_tokenizer()
     claude, plain = claude_body(stream, thinking)
@@ -137,6 +138,7 @@ def test_a_claude_code_request_is_served_its_extra_fields_named(server, loop, st
     assert status == 200, reply
     assert head["x-molt-ignored"] == "thinking, output_config, context_management" and "x-molt-ignored" not in plain_head
     assert [s.tokens for s in segs] == [s.tokens for s in plain_segs] and [s.mask for s in segs] == [s.mask for s in plain_segs]
+    assert "3?7=<|im_end|>\n<|im_start|>system\n# Environment<|im_end|>" in tok.decode(segs[0].tokens)   # a system turn
     sampled = sum(segs[0].mask)
     prompt = len(segs[0].tokens) - sampled
     assert count == (200, {"input_tokens": prompt})
