@@ -162,7 +162,7 @@ async def confine(argv: list[str], env: dict, folder: str, timeout: float, work:
     for d, _, files in (walk for source, _, writable in mounts if root and writable for walk in os.walk(source)):
         for path in (d, *(os.path.join(d, f) for f in files)):   # all of it its own (a task's files, a verifier's)
             os.lchown(path, uid, uid)
-    groups = cgroups(limits["MEMORY_MB"], limits["NPROC"] + 3, "the sandbox")   # + bwrap's two, sandbox.py
+    groups = cgroups(limits["MEMORY_MB"], limits["NPROC"] + 4, "the sandbox")   # + bwrap's two, sandbox.py, a thread
     join = ["sh", "-c", f'echo $$ | tee {" ".join(g + "/cgroup.procs" for g in groups)} >/dev/null && exec "$@"',
             "sh"] if groups else []   # bwrap and all it starts are in the cgroups
     inside = {**{k: os.environ[k] for k in (*ALLOWED, TAG) if k in os.environ}, "HOME": at, "TMPDIR": "/tmp",
@@ -226,6 +226,8 @@ if __name__ == "__main__":   # in the sandbox (as PID 2, root: bwrap's uids map 
     setup = json.loads(sys.argv[1])
     for name, value in setup["rlimits"].items():
         resource.setrlimit(getattr(resource, name), (value, value))
+    with open("/proc/self/oom_score_adj", "w") as f:   # the machine's OOM killer takes the sandbox first
+        f.write("1000")
     keyctl = KEYCTL.get(os.uname().machine)
     if keyctl is None or ctypes.CDLL(None).syscall(keyctl, 1, None) < 0:   # KEYCTL_JOIN_SESSION_KEYRING: a new one
         sys.exit("sandbox set-up failed: no session keyring of its own")
