@@ -173,7 +173,6 @@ class RunGuard:
             os.environ.pop(TAG, None)
         else:
             os.environ[TAG] = self.previous
-        return False
 
 
 def guarded(out: Path, run: Callable[[], Any]) -> Any:
@@ -229,8 +228,7 @@ def reaper_main(run_id: str, driver: int):
 # ---------------------------------------------------------------- never hang
 
 def _settle(future: asyncio.Future, how: str, *value):
-    """Give `future` (the caller's) an outcome from another loop, unless it has one: `how` is its
-    method, "set_result", "set_exception" or "cancel"."""
+    """Give `future` (the caller's) an outcome unless it has one: `how` is "set_result", "set_exception" or "cancel"."""
     if not future.done():
         getattr(future, how)(*value)
 

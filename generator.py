@@ -24,8 +24,6 @@ prefix cache is reused), least-loaded routing, one weight update for all.
 Run the engine alone:  python -c "import generator; generator.smoke('MODEL_DIR')"
 """
 
-from __future__ import annotations
-
 import asyncio
 import contextlib
 import gc

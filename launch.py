@@ -7,8 +7,6 @@ then export, plot and summary. `run` is what main.py calls once the flags are ch
 Every process of a run carries its tag (faults.py), so none outlives it however it ends.
 """
 
-from __future__ import annotations
-
 import asyncio
 import gc
 import json
@@ -137,7 +135,7 @@ def run_tagged(cfg: dict) -> dict:
             print(json.dumps(scores))
             return scores
         metrics_file = logs.Sinks(cfg, append=resume_from is not None)  # metrics.jsonl + --logger backends
-        bar = logs.progress(cfg, start["step"])
+        bar = logs.progress(cfg, cfg["steps"], done=start["step"])
 
         def on_step(m: dict):
             metrics_file.log(m)
@@ -188,9 +186,7 @@ def say_threads(cfg: dict, trainer, engines) -> None:
 
 def wait_ready(cfg: dict, refs: list):
     """Wait for the actors' start-up (engines: ~15 s each on CPU) behind a progress bar."""
-    from tqdm import tqdm
-    with tqdm(total=len(refs), desc="starting trainer ranks and engines", unit="actor",
-              disable=cfg["quiet"] or not sys.stderr.isatty()) as bar:
+    with logs.progress(cfg, len(refs), "starting trainer ranks and engines", "actor") as bar:
         while refs:
             ready, refs = ray.wait(refs, num_returns=1)
             ray.get(ready)  # raises the actor's start-up error, if any

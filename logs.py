@@ -218,9 +218,9 @@ def keep_metrics(path: Path, last_step: int):
         path.write_text("".join(l + "\n" for l in lines))
 
 
-def progress(cfg: dict, done: int = 0):
+def progress(cfg: dict, total: int, desc: str = "train", unit: str = "step", done: int = 0):
     from tqdm import tqdm
-    return tqdm(total=cfg["steps"], initial=done, desc="train", unit="step", dynamic_ncols=True,
+    return tqdm(total=total, initial=done, desc=desc, unit=unit, dynamic_ncols=True,
                 disable=cfg["quiet"] or not sys.stderr.isatty())
 
 

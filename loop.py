@@ -21,8 +21,6 @@ Start-up and shutdown are in launch.py, held-out evaluation in evaluation.py.
     python main.py --steps 20          # see main.py for every flag
 """
 
-from __future__ import annotations
-
 import asyncio
 import itertools
 import json
@@ -52,6 +50,7 @@ class RolloutPool:
                  threads: faults.AgentThreads | None = None):
         self.cfg, self.agent_cls, self.rows, self.server, self.threads = cfg, agent_cls, rows, server, threads
         self.generate, self.tokenizer = generate, tokenizer
+        self.sampling = {"temperature": cfg["temperature"], "top_p": cfg["top_p"], "max_tokens": cfg["max_new_tokens"]}
         self.done: asyncio.Queue = asyncio.Queue()
         self.started = 0          # groups started so far
         self.pending: set[int] = set()  # rows started and not yet taken by collect (a checkpoint saves them)
@@ -95,7 +94,7 @@ class RolloutPool:
         thread = self.threads.take() if self.threads else None
         try:
             segments = await agents.run_agent(self.cfg, self.agent_cls, row, self.generate.session(), self.tokenizer,
-                                       self.server, self.sampling(), thread.call if thread else None, branch=True)
+                                       self.server, self.sampling, thread.call if thread else None, branch=True)
         except trajectory.DropRollout as e:   # a timeout names the code that blocks the agent's thread, if any
             stuck = e.reason == "timeout" and thread is not None and thread.blocked_for() > 1.0
             self._drop(e.reason, str(e) + (f"; the agent's code is blocking its thread at:\n{thread.stack()}"
@@ -129,19 +128,9 @@ class RolloutPool:
         if self.cfg.get("dump_rollouts"):
             self.dropped += [{**r, "dropped": reason} for r in records]
 
-    def sampling(self) -> dict:
-        return {"temperature": self.cfg["temperature"], "top_p": self.cfg["top_p"],
-                "max_tokens": self.cfg["max_new_tokens"]}
-
     def cancel(self):
         for task in list(self.tasks):
             task.cancel()
-
-
-def oldest_token(trajectories: list) -> int | None:
-    """The policy version of the oldest sampled token of these trajectories (None: none)."""
-    firsts = [min(itertools.compress(t.versions, t.mask), default=None) for t in trajectories]
-    return min((v for v in firsts if v is not None), default=None)
 
 
 async def collect(pool: RolloutPool, cfg: dict, version: int, first_step: bool, policy: int) -> list[dict]:
@@ -159,7 +148,7 @@ async def collect(pool: RolloutPool, cfg: dict, version: int, first_step: bool, 
             raise group  # an engine failure: stop with its error
         pool.pending.discard(group["group"])
         rewards = [t.reward for t in group["trajectories"]]
-        oldest = oldest_token(group["trajectories"])
+        oldest = min((v for t in group["trajectories"] for v in itertools.compress(t.versions, t.mask)), default=None)
         if rewards and oldest is not None and policy - oldest > K:
             # Groups are taken in finish order, so a slow one can arrive any number of versions
             # late: the bound on staleness is enforced here, on the tokens it would train.

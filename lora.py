@@ -11,7 +11,6 @@ and the merged model. Checkpoints hold the adapter and its optimizer (checkpoint
     python -m pytest -q tests/test_lora.py
 """
 
-import contextlib
 from pathlib import Path
 
 import torch
@@ -60,19 +59,6 @@ def add_adapters(model: torch.nn.Module, config: dict | None) -> torch.nn.Module
     return model
 
 
-@contextlib.contextmanager
-def adapters_off(model: torch.nn.Module):
-    from peft.tuners.tuners_utils import BaseTunerLayer
-    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
-    for m in layers:
-        m.enable_adapters(False)
-    try:
-        yield
-    finally:
-        for m in layers:
-            m.enable_adapters(True)   # also makes the adapters require grad again, as before
-
-
 class BaseView(torch.nn.Module):
     """The policy with its adapters off: the reference model of a LoRA run, sharing the base weights."""
 
@@ -85,8 +71,15 @@ class BaseView(torch.nn.Module):
         return self.policy[0].model
 
     def forward(self, **inputs):
-        with adapters_off(self.policy[0]):
+        from peft.tuners.tuners_utils import BaseTunerLayer
+        layers = [m for m in self.policy[0].modules() if isinstance(m, BaseTunerLayer)]
+        for m in layers:
+            m.enable_adapters(False)
+        try:
             return self.policy[0](**inputs)
+        finally:
+            for m in layers:
+                m.enable_adapters(True)   # also makes the adapters require grad again, as before
 
 
 def adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

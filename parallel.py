@@ -26,8 +26,6 @@ across all ranks, so summing gives exactly the single-process gradient.
 Tested by tests/test_parallel.py (every layout against one process) and tests/test_cluster.py.
 """
 
-from __future__ import annotations
-
 import contextlib
 import ipaddress
 import os
@@ -378,12 +376,6 @@ class EPExperts(torch.nn.Module):
         return torch.zeros_like(hidden).index_add(0, token, (y * w).to(hidden.dtype))
 
 
-def apply_ep(model: torch.nn.Module, dims: ParallelDims) -> None:
-    ep_rank = dims.ep_mesh["ep"].get_local_rank()
-    for block in text_layers(model):
-        block.mlp.experts = EPExperts(block.mlp.experts, ep_rank, dims.ep, dims.group("ep"))
-
-
 # ---- context parallelism (Ulysses) ----------------------------------------------------------
 _CP_GROUP = None
 
@@ -479,7 +471,9 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, *, param_dtype: torc
     if dims.tp > 1:
         apply_tp(model, dims.mesh["tp"])
     if dims.ep > 1 and hasattr(text_layers(model)[0].mlp, "experts"):
-        apply_ep(model, dims)
+        ep_rank = dims.ep_mesh["ep"].get_local_rank()
+        for block in text_layers(model):
+            block.mlp.experts = EPExperts(block.mlp.experts, ep_rank, dims.ep, dims.group("ep"))
     if dims.cp > 1:
         apply_cp(model, dims)
     if routing_hooks:

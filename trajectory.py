@@ -201,16 +201,14 @@ def delta_ids(tokenizer, messages: list[dict], reply_ids: list[int], new: list[d
     closed = render(tokenizer, messages, False, tools, **options)
     reply = as_text(tokenizer, messages[-1]["content"])
     if not closed.startswith(before + reply):
-        raise PrefixRewrite("the chat template renders the reply differently from how it was "
-                            "sampled; an Env needs a template that only appends (a ChatAgent "
-                            "gets a new segment instead)")
+        raise PrefixRewrite("the chat template renders the reply differently from how it was sampled; an Env "
+                            "needs a template that only appends (a ChatAgent gets a new segment instead)")
     tail = closed[len(before) + len(reply):]            # e.g. "<|im_end|>\n"
     end = tokenizer.decode(reply_ids[-1:]) if reply_ids and reply_ids[-1] in end_ids(tokenizer) else ""
     if end and tail.startswith(end):
         tail = tail[len(end):]                           # the model sampled it already
     full = render(tokenizer, messages + new, True, tools, **options)
     if not full.startswith(closed):
-        raise PrefixRewrite("the chat template re-renders earlier turns when the conversation "
-                            "grows; an Env needs a template that only appends (a ChatAgent "
-                            "gets a new segment instead)")
+        raise PrefixRewrite("the chat template re-renders earlier turns when the conversation grows; an Env "
+                            "needs a template that only appends (a ChatAgent gets a new segment instead)")
     return encode(tokenizer, tail + full[len(closed):])

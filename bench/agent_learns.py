@@ -16,8 +16,6 @@ the right answer.
     python bench/agent_learns.py            # no arguments; ~25 min on 2 CPU cores
 """
 
-from __future__ import annotations
-
 import json
 import os
 import subprocess

@@ -27,8 +27,6 @@ kind of process spends per step after warm-up: their sum over the machine's core
 under the step time that no overlap can go below.
 """
 
-from __future__ import annotations
-
 import argparse
 import asyncio
 import json
@@ -144,7 +142,7 @@ def plain(argv: list[str], steps: int, warmup: int, threads: int | None = None) 
     tok = AutoTokenizer.from_pretrained(cfg["model"])
     env_cls = agents.load_agent(cfg["agent"])
     rows = data.prompt_source(cfg, env_cls)
-    P, S, T = cfg["prompts_per_step"], cfg["samples_per_prompt"], cfg["temperature"]
+    P, S, T, pad = cfg["prompts_per_step"], cfg["samples_per_prompt"], cfg["temperature"], tok.pad_token_id
     setup = time.perf_counter() - t0
     times, cpu = [], {}
     for step in range(steps):
@@ -155,7 +153,6 @@ def plain(argv: list[str], steps: int, warmup: int, threads: int | None = None) 
         prompts = [tok.apply_chat_template(trajectory.prompt_messages(r["prompt"]), add_generation_prompt=True,
                                            tokenize=True)["input_ids"] for r in batch]
         width = max(map(len, prompts))
-        pad = tok.pad_token_id
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts]).repeat_interleave(S, 0)
         attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]).repeat_interleave(S, 0)
         model.eval()
@@ -174,8 +171,7 @@ def plain(argv: list[str], steps: int, warmup: int, threads: int | None = None) 
             action = trajectory.decode_reply(tok, reply[:n])
             state = agents.State(prompt=row["prompt"], label=row.get("label"), action=action, observation=None,
                                  messages=[], turn=0, sampling_params={}, row=row,
-                                 finish_reason="stop" if n < len(reply) or reply[n - 1] == tok.eos_token_id
-                                 else "length")
+                                 finish_reason="stop" if tok.eos_token_id in reply else "length")
             reward = asyncio.run(env_cls().step(state)).reward
             trajs.append({"prompt": prompt, "reply": reply[:n], "reward": float(reward)})
         gen_s = time.perf_counter() - t_gen

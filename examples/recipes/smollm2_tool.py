@@ -56,12 +56,10 @@ def problem(rng: random.Random) -> tuple[int, int]:
 
 
 def heldout() -> list[tuple[int, int]]:
-    rng, found = random.Random(HELDOUT_SEED), []
+    rng, found = random.Random(HELDOUT_SEED), {}   # a dict: distinct problems, in the order drawn
     while len(found) < HELDOUT_SIZE:
-        pair = problem(rng)
-        if pair not in found:
-            found.append(pair)
-    return found
+        found[problem(rng)] = None
+    return list(found)
 
 
 def row(a: int, b: int, tool: bool = True) -> dict:
@@ -85,10 +83,8 @@ def notebook(code: str) -> str:
         return code   # the sandbox shows the error
     if body and isinstance(body[-1], ast.Expr) and not (
             isinstance(body[-1].value, ast.Call) and getattr(body[-1].value.func, "id", "") == "print"):
-        lines = code.splitlines()
-        last = body[-1]
-        head, tail = lines[:last.lineno - 1], lines[last.lineno - 1:]
-        return "\n".join(head + ["print((" + "\n".join(tail) + "))"])
+        lines, start = code.splitlines(), body[-1].lineno - 1
+        return "\n".join(lines[:start] + ["print((" + "\n".join(lines[start:]) + "))"])
     return code
 
 
