@@ -388,7 +388,7 @@ def program(cmd: str, timeout: float, resources: dict | None = None, confined: b
     on a node with `resources`, `confined` in a sandbox with the variables `env` names ("NAME=VALUE", or "NAME": its
     value here). ValueError: an empty command, one whose executable is not found (here), a sandbox that cannot start
     here, an unset NAME."""
-    argv = shlex.split(cmd)
+    argv = [os.path.abspath(a) if os.path.isfile(a) else a for a in shlex.split(cmd)]   # it runs in its own folder
     if not argv:
         raise ValueError("--agent_cmd is empty: give the command that runs one rollout")
     if shutil.which(argv[0]) is None and not resources:   # on other nodes the path is theirs

@@ -167,7 +167,7 @@ async def confine(argv: list[str], env: dict, folder: str, timeout: float, work:
             "sh"] if groups else []   # bwrap and all it starts are in the cgroups
     inside = {**{k: os.environ[k] for k in (*ALLOWED, TAG) if k in os.environ}, "HOME": at, "TMPDIR": "/tmp",
               "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", os.defpath), **env,
-              **{k: url._replace(netloc=f"127.0.0.1:{url.port}").geturl() for k in URLS if k in env}}
+              **{k: urlsplit(env[k])._replace(netloc=f"127.0.0.1:{url.port}").geturl() for k in URLS if k in env}}
     rlimits = {"RLIMIT_CPU": int(timeout) + 1, "RLIMIT_CORE": 0, **({"RLIMIT_NPROC": limits["NPROC"]} if root else {}),
                **{k: v for k, v in limits.items() if k.startswith("RLIMIT_")}}
     setup = json.dumps({"port": url.port or 0, "uid": uid, "rlimits": rlimits, "ready": ready})

@@ -34,6 +34,7 @@ ESCAPE = textwrap.dedent("""\
         except OSError:
             info[f"wrote{i}"] = 0
     info["secret"] = float("MOLT_TEST_SECRET" in os.environ)
+    info["urls"] = float(os.environ["ANTHROPIC_BASE_URL"] + "/v1" == os.environ["OPENAI_BASE_URL"])   # each its own
     info["passed"] = float(os.environ.get("MOLT_TEST_PASSED") == "yes")
     keys = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -102,7 +103,7 @@ def test_a_sandboxed_program_cannot_escape_its_rollout(tmp_path, server, loop, t
     assert segs[0].reward == 1.0 and len(rec.calls) == 1   # its own server, through the relay, token-exact
     check_token_exact(segs, rec.calls)
     assert (info["wrote0"], info["wrote1"]) == (0, 0) and not any(t.exists() for t in targets)
-    assert info["secret"] == 0 and info["passed"] == 1   # an allow-list, and what --program_env names
+    assert info["urls"] == 1 and info["secret"] == 0 and info["passed"] == 1   # an allow-list, and what --program_env names
     assert info["other_keys"] == 0 and info["other_port"] == 0
     assert info["nofile"] == sandbox.NOFILE
     if os.geteuid() == 0:   # a uid of its own, its processes counted apart
@@ -144,6 +145,9 @@ def test_sandbox_flags_fail_fast(tmp_path, tiny_model, capsys, monkeypatch):
     with pytest.raises(ValueError, match="--program_env MOLT_NOT_SET: not set here"):
         agents.program("true", 10, env=["MOLT_NOT_SET"])
     assert agents.program("true", 10, env=["A=b=c"]).env == {"A": "b=c"}
+    monkeypatch.chdir(ROOT)   # a file named from here is found from the program's own folder too
+    assert agents.program("python examples/programs/running_max.py", 10).argv == [
+        "python", str(ROOT / "examples" / "programs" / "running_max.py")]
     monkeypatch.setattr(sandbox, "bwrap", lambda: "/no/such/bwrap")
     with pytest.raises(ValueError, match="--program_sandbox on: .*no/such/bwrap"):
         agents.program("true", 10)
