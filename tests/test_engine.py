@@ -99,11 +99,12 @@ def test_under_top_p_the_engine_logprobs_are_the_nucleus_so_auto_recomputes(engi
     """vLLM returns the logprobs of the truncated, renormalised nucleus; the trainer scores the full softmax.
     As the old policy's they would put the PPO ratio near 0.5 on every token, so --old_logprobs auto
     recomputes under --top_p < 1, on-policy in float32 as it is here."""
-    trajs = _sample(engine, loop, tiny_tokenizer, top_p=0.5)
     cfg = trainer_cfg(tiny_model, top_p=0.5, is_level="off", param_dtype="float32", old_logprobs="auto")
     assert cfg["old_logprobs"] == "recompute"
     assert trainer_cfg(tiny_model, is_level="off", param_dtype="float32", old_logprobs="auto")["old_logprobs"] == "engine"
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg)   # the engine gets its weights: an earlier test may have updated the engine's
+    loop.run_until_complete(engine.update_weights(trainer.weights_blob(), trainer.version))
+    trajs = _sample(engine, loop, tiny_tokenizer, top_p=0.5)
     ratios = [math.exp(r[t - 1] - tr["logprobs"][t]) for tr, r in zip(trajs, trainer_logprobs(trainer, trajs))
               for t in range(1, len(tr["tokens"])) if tr["mask"][t]]
     assert sum(ratios) / len(ratios) < 0.9 and max(ratios) < 1 + 1e-4   # a nucleus logprob is never below the full one's
