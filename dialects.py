@@ -19,9 +19,9 @@ class BadRequest(ValueError):
         self.status = status
 
 
-def need(cond: Any, message: str):
+def need(cond: Any, message: str, status: int = 400):
     if not cond:
-        raise BadRequest(message)
+        raise BadRequest(message, status)
 
 
 # ---------------------------------------------------------------- requests: each API -> one canonical form
@@ -31,8 +31,7 @@ IMAGE_PARTS = ("image_url", "image", "input_image")
 
 
 def _text(content: Any, where: str) -> str:
-    """Message content as one string: a string, None, or a list of text parts/blocks
-    ({"type": "text", "text": ...}; the Responses API's input_text/output_text)."""
+    """Message content as one string: a string, None, or a list of text parts/blocks (any of TEXT_PARTS)."""
     if content is None or isinstance(content, str):
         return content or ""
     need(isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in TEXT_PARTS
@@ -42,8 +41,7 @@ def _text(content: Any, where: str) -> str:
 
 
 def _image_uri(part: dict, where: str) -> str:
-    """The data URI of an OpenAI `image_url`/`input_image` part or an Anthropic `image` block
-    (base64 only: the server is offline, so URLs are refused)."""
+    """The data URI of an image part/block (base64 only: the server is offline, so URLs are refused)."""
     if part.get("type") in ("image_url", "input_image"):
         url = part.get("image_url")
         url = url.get("url") if isinstance(url, dict) else url
@@ -57,8 +55,7 @@ def _image_uri(part: dict, where: str) -> str:
 
 
 def _content(content: Any, where: str) -> str | list[dict]:
-    """User content: a string, or, when it shows images, parts [{"type": "text", "text"} |
-    {"type": "image", "image": data URI}] in order."""
+    """User content: a string, or, when it shows images, parts [{"type": "text"|"image", "text"|"image": ...}]."""
     if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") in IMAGE_PARTS
                                                 for p in content):
         return _text(content, where)
@@ -89,7 +86,6 @@ def _call(name: Any, arguments: Any, call_id: Any, where: str) -> dict:
 
 @dataclass
 class Request:
-    """One request of any API, canonical."""
     messages: list[dict]
     tools: list[dict] | None = None      # OpenAI chat form [{"type": "function", "function": {...}}]
     max_tokens: Any = None
@@ -186,7 +182,6 @@ def thinking(body: dict) -> bool | None:
 
 
 def openai_request(body: dict) -> Request:
-    """An OpenAI chat.completions body as a canonical Request."""
     need(isinstance(body.get("messages"), list) and body["messages"], "'messages' must be a non-empty list")
     _no_n(body)
     messages = []
@@ -225,8 +220,7 @@ def openai_request(body: dict) -> Request:
 
 
 def anthropic_request(body: dict, count_only: bool = False) -> Request:
-    """An Anthropic messages body as a canonical Request. `tool_result` blocks become `tool`
-    messages placed before the message's text."""
+    """An Anthropic messages body as a Request; `tool_result` blocks become `tool` messages before its text."""
     need(isinstance(body.get("messages"), list) and body["messages"], "messages: must be a non-empty list")
     need(count_only or "max_tokens" in body, "max_tokens: field required")
     messages = [{"role": "system", "content": _text(body["system"], "system")}] if body.get("system") else []
@@ -295,9 +289,8 @@ def responses_request(body: dict, history: dict[str, list[dict]]) -> tuple[Reque
             role = item.get("role")
             need(role in ("system", "developer", "user", "assistant"),
                  f"{where}: needs a role of system, developer, user or assistant")
-            parse = _content if role == "user" else _text
-            messages.append({"role": "system" if role == "developer" else role,
-                             "content": parse(item.get("content"), f"{where}.content")})
+            messages.append({"role": "system" if role == "developer" else role, "content": (
+                _content if role == "user" else _text)(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
             call = _call(item.get("name"), item.get("arguments", "{}"), item.get("call_id"), where)
             if messages and messages[-1]["role"] == "assistant":   # calls after a message are part of its turn
@@ -332,7 +325,6 @@ def responses_request(body: dict, history: dict[str, list[dict]]) -> tuple[Reque
 
 @dataclass
 class Reply:
-    """One completion, whichever API asked for it."""
     text: str                 # text outside tool calls, cut before a stop string
     tool_calls: list[dict]    # {"id", "name", "arguments"}
     finish: str               # "stop", "length" or "tool_calls"
@@ -358,11 +350,6 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(8)}"
 
 
-def _openai_calls(reply: Reply) -> list[dict]:
-    return [{"id": c["id"], "type": "function",
-             "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for c in reply.tool_calls]
-
-
 def openai_response(reply: Reply, model: str, req: Request) -> dict | list[Event]:
     usage = {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens,
              "total_tokens": reply.prompt_tokens + reply.completion_tokens}
@@ -370,10 +357,12 @@ def openai_response(reply: Reply, model: str, req: Request) -> dict | list[Event
     text = reply.text if reply.text or not reply.tool_calls else None
     head = {"id": _id("chatcmpl"), "created": int(time.time()), "model": model}
     think = {"reasoning_content": reply.reasoning} if reply.reasoning else {}   # as DeepSeek's API and LiteLLM
+    calls = [{"id": c["id"], "type": "function",
+              "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for c in reply.tool_calls]
     if not req.stream:
         message: dict = {"role": "assistant", "content": text, **think}
         if reply.tool_calls:
-            message["tool_calls"] = _openai_calls(reply)
+            message["tool_calls"] = calls
         return {**head, "object": "chat.completion", "usage": usage,
                 "choices": [{"index": 0, "message": message, "finish_reason": reply.finish, "logprobs": logprobs}]}
     extra = {"usage": None} if req.usage_in_stream else {}
@@ -385,7 +374,7 @@ def openai_response(reply: Reply, model: str, req: Request) -> dict | list[Event
     if text:
         for piece, lp in reply.deltas():   # one chunk per sampled token, with its logprobs
             events.append(chunk({"content": piece}, lp=None if lp is None else {"content": lp, "refusal": None}))
-    for i, c in enumerate(_openai_calls(reply)):   # the name first, then the arguments, as OpenAI streams them
+    for i, c in enumerate(calls):   # the name first, then the arguments, as OpenAI streams them
         events.append(chunk({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
                                              "function": {"name": c["function"]["name"], "arguments": ""}}]}))
         events.append(chunk({"tool_calls": [{"index": i, "function": {"arguments": c["function"]["arguments"]}}]}))

@@ -76,8 +76,7 @@ def parse_reply(text: str, parsers: tuple, request, calls: bool, most: int | Non
 
 
 def _key(m: dict) -> tuple:
-    """What must match for a message to count as the same one: role, text and calls
-    (names and arguments as objects); ids and formatting aside."""
+    """What must match for a message to be the same: role, text, calls (arguments as objects); not ids or formatting."""
     calls = tuple((c["name"], json.dumps(c["arguments"], sort_keys=True)) for c in m.get("tool_calls", ()))
     content = m["content"] if isinstance(m["content"], str) else json.dumps(m["content"], sort_keys=True)
     return m["role"], content, calls
@@ -101,23 +100,7 @@ def _template_messages(messages: list[dict], native_tools: bool) -> list[dict]:
     return out
 
 
-def _tool_prompt(messages: list[dict], tools: list[dict]) -> list[dict]:
-    """For templates without tool support: describe the tools in the system message."""
-    text = ("You can call these tools:\n<tools>\n" + "\n".join(json.dumps(t) for t in tools) + "\n</tools>\n"
-            'To call one, write <tool_call>{"name": <name>, "arguments": <JSON object>}</tool_call>.')
-    if messages and messages[0]["role"] == "system":
-        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + text}] + messages[1:]
-    return [{"role": "system", "content": text}] + messages
-
-
 # ---------------------------------------------------------------- the trace behind a session
-
-@functools.lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
-    """Byte-level BPE's printable stand-ins (GPT-2, Llama 3, Qwen) -> the bytes they stand for."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-    return {c: b for b, c in bytes_to_unicode().items()}
-
 
 def token_bytes(tokenizer, t: int, text: str) -> list[int]:
     """The bytes token `t` stands for. Its decoded `text` is the answer unless the token holds part
@@ -128,7 +111,8 @@ def token_bytes(tokenizer, t: int, text: str) -> list[int]:
     piece = tokenizer.convert_ids_to_tokens(t)
     if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
         return [int(piece[3:5], 16)]
-    table = _byte_decoder()
+    from transformers.convert_slow_tokenizer import bytes_to_unicode   # byte-level BPE's (GPT-2, Llama 3, Qwen)
+    table = {c: b for b, c in bytes_to_unicode().items()}
     return [table[c] for c in piece] if all(c in table for c in piece) else list(text.encode("utf-8"))
 
 
@@ -158,8 +142,7 @@ class ChatSession:
         self.segments: list[Trajectory] = []   # sealed segments; the last one is still growing
         self.keys: list[tuple] = []            # the conversation as the client sees it, last reply included
         self.rendered: list[dict] = []         # the same, as the template renders it (replies as sampled)
-        self.tools: tuple | None = None         # (tools, thinking switch) as the last reply was sampled
-        self.reply_ids: list[int] = []
+        self.tools, self.reply_ids = None, []   # (tools, thinking switch) as the last reply was sampled; its ids
         self.last: tuple | None = None         # (api, body, response) for retries
         self.history: dict[str, list[dict]] = {}   # Responses API: response id -> its conversation
         self.lock = asyncio.Lock()              # one request at a time: the trace is one sequence
@@ -174,11 +157,13 @@ class ChatSession:
         self.work = asyncio.get_running_loop().run_in_executor(_POOL, fn, *args)
         return await asyncio.shield(self.work)
 
-    def _uris(self, messages: list[dict]) -> list[str]:
+    def _expand(self, ids: list[int], messages: list[dict]) -> tuple[list[int], list[str]]:
+        """(`ids` with the pads of the images `messages` show expanded, those images' URIs)."""
         images = [p["image"] for m in messages if isinstance(m["content"], list)   # canonical image parts, in order
                   for p in m["content"] if p.get("type") == "image"]
         need(not images or self.image_tokens, "this request shows images but the policy has no vision tower")
-        return self.image_tokens.uris(images) if images else []
+        uris = self.image_tokens.uris(images) if images else []
+        return (self.image_tokens.expand(ids, uris) if uris else ids), uris
 
     def prompt(self, messages: list[dict], tools: list[dict] | None,
                think: bool | None = None) -> tuple[list[int], list[int], list[dict], list[str]]:
@@ -196,15 +181,17 @@ class ChatSession:
             new = _template_messages(messages[n:], self.native_tools)
             with contextlib.suppress(PrefixRewrite):   # the template re-renders history: a new segment, below
                 delta = delta_ids(self.tokenizer, self.rendered, self.reply_ids, new, native, **options)
-                images = self._uris(new)
-                delta = self.image_tokens.expand(delta, images) if images else delta
+                delta, images = self._expand(delta, new)
                 return self.segments[-1].tokens + delta, delta, self.rendered + new, images
         rendered = _template_messages(messages, self.native_tools)
-        if tools and not self.native_tools:
-            rendered = _tool_prompt(rendered, tools)
+        if tools and not self.native_tools:   # a template without tool support: the tools in the system message
+            text = ("You can call these tools:\n<tools>\n" + "\n".join(json.dumps(t) for t in tools) + "\n</tools>\n"
+                    'To call one, write <tool_call>{"name": <name>, "arguments": <JSON object>}</tool_call>.')
+            if rendered and rendered[0]["role"] == "system":
+                text = rendered.pop(0)["content"] + "\n\n" + text
+            rendered = [{"role": "system", "content": text}] + rendered
         ids = encode(self.tokenizer, render(self.tokenizer, rendered, True, native, **options))
-        images = self._uris(rendered)
-        ids = self.image_tokens.expand(ids, images) if images else ids
+        ids, images = self._expand(ids, rendered)
         return ids, ids, rendered, images
 
     async def complete(self, req: Request) -> Reply:
@@ -218,8 +205,7 @@ class ChatSession:
         if budget <= 0:  # no room for even one token: an empty, cut-off reply; nothing recorded
             self.truncated = True
             return Reply("", [], "length", len(prompt), 0, logprobs=[] if req.top_logprobs is not None else None)
-        run_limit = self.sampling.get("max_tokens") or budget
-        limit = min(req.max_tokens or run_limit, run_limit, budget)
+        limit = min(req.max_tokens or budget, self.sampling.get("max_tokens") or budget, budget)
         images = (new_images if delta is prompt else self.segments[-1].images + new_images)
         sampling = {**self.sampling, "max_tokens": limit, **({"stop": req.stop} if req.stop else {}),
                     **({"top_logprobs": req.top_logprobs} if req.top_logprobs else {})}
@@ -270,12 +256,6 @@ def error_response(api: str, status: int, message: str):
     return web.json_response(body, status=status)
 
 
-def _sse(events: list[Event]) -> bytes:
-    return b"".join(((f"event: {name}\n" if name else "")
-                     + f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n").encode()
-                    for name, data in events)
-
-
 async def _read_json(request) -> dict:
     """The body as a JSON object; every way a body can be malformed is a BadRequest (413 if too large, 408 if slow)."""
     try:
@@ -300,11 +280,10 @@ async def _read_json(request) -> dict:
 def _check_key(request, session: "ChatSession | None"):
     """A 401 (its body unread) unless the request carries the rollout's key as `Authorization: Bearer` (OpenAI SDKs)
     or `x-api-key` (Anthropic's), compared in constant time; a 429 (then closed) past SESSION_CONNECTIONS."""
-    need(session, f"no open session {request.match_info['session']!r} (closed, or never opened)")   # a 404
+    need(session, f"no open session {request.match_info['session']!r} (closed, or never opened)", 404)
     sent = (request.headers.get("Authorization", "").removeprefix("Bearer "), request.headers.get("x-api-key", ""))
-    if not any(hmac.compare_digest(k.encode(), session.key.encode()) for k in sent):
-        raise BadRequest("missing or wrong API key: send this rollout's key (OPENAI_API_KEY / ANTHROPIC_API_KEY, "
-                         "a ChatAgent's ctx.api_key)", 401)
+    need(any(hmac.compare_digest(k.encode(), session.key.encode()) for k in sent), "missing or wrong API key: send "
+         "this rollout's key (OPENAI_API_KEY / ANTHROPIC_API_KEY, a ChatAgent's ctx.api_key)", 401)
     held = {c for c in session.connections if c.transport is not None} | {request.protocol}
     if len(held) > SESSION_CONNECTIONS:
         request.protocol.close()   # once this reply is sent
@@ -377,7 +356,6 @@ class ChatServer:
         return session.segments
 
     async def _reply(self, session: ChatSession, api: str, body: dict) -> dict | list[Event]:
-        """The response (a JSON object, or SSE events when streamed) to one parsed body."""
         model = str(body.get("model", self.model_name))
         if api == "count_tokens":
             req = await session.off_loop(anthropic_request, body, True)
@@ -411,7 +389,7 @@ class ChatServer:
                     if api != "count_tokens":
                         session.last = (api, key, response)
         except BadRequest as e:
-            return error_response(fmt, 404 if session is None else e.status, str(e))
+            return error_response(fmt, e.status, str(e))
         except (TemplateError, RecursionError, UnicodeError) as e:   # e.g. a template that insists roles alternate
             return error_response(fmt, 400, f"the chat template cannot render this request: {e}")
         except Exception as e:
@@ -422,7 +400,10 @@ class ChatServer:
                    **({"x-molt-ignored": ", ".join(ignored)} if ignored else {})}   # the run's sampling applies
         if isinstance(response, dict):
             return web.json_response(response, headers=headers)
-        return web.Response(body=_sse(response), content_type="text/event-stream",
+        sse = b"".join(((f"event: {name}\n" if name else "")   # server-sent events
+                        + f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n").encode()
+                       for name, data in response)
+        return web.Response(body=sse, content_type="text/event-stream",
                             headers={**headers, "Cache-Control": "no-cache"})
 
     async def _models(self, request):
@@ -430,11 +411,10 @@ class ChatServer:
         name = request.match_info["model"][1:] or self.model_name   # any name is the policy, as in every POST
         model = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "molt",
                  "type": "model", "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
-        session = self.sessions.get(request.match_info["session"])
         try:
-            _check_key(request, session)
+            _check_key(request, self.sessions.get(request.match_info["session"]))
         except BadRequest as e:
-            return error_response("openai", 404 if session is None else e.status, str(e))
+            return error_response("openai", e.status, str(e))
         return web.json_response(model if request.match_info["model"] else {"object": "list", "data": [model],
                                  "has_more": False, "first_id": self.model_name, "last_id": self.model_name})
 
