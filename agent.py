@@ -307,8 +307,8 @@ async def run_chat_agent(agent: ChatAgent, row: dict, generate: Generate, tokeni
     if not segments:
         e = DropRollout("prompt_too_long", f"{type(agent).__name__}'s requests left no room for a reply within "
                         f"--max_len {max_len}") if session.truncated else ValueError(
-            f"{type(agent).__name__} made no model request: call the API at ctx.base_url (OpenAI) "
-            "or ctx.anthropic_base_url (Anthropic)")
+            f"{type(agent).__name__} made no model request: call the API at ctx.base_url (OpenAI) or "
+            f"ctx.anthropic_base_url (Anthropic){''.join(f'; the server answered {r}' for r in session.refused[-3:])}")
         raise agent.drop(getattr(e, "reason", "error"), str(e)) if isinstance(agent, Program) else e   # its stderr too
     info = {k: float(v) for k, v in result.info.items()}
     info.update(segments=float(len(segments)), requests=float(session.requests))

@@ -146,6 +146,7 @@ class ChatSession:
         self.last: tuple | None = None         # (api, body, response) for retries
         self.history: dict[str, list[dict]] = {}   # Responses API: response id -> its conversation
         self.lock = asyncio.Lock()              # one request at a time: the trace is one sequence
+        self.refused = []                       # "STATUS message" of each request answered with an error
         self.requests, self.work, self.connections = 0, None, set()   # work: `off_loop`'s; connections: `_check_key`
         self.truncated = False
         self.error: BaseException | None = None   # a generate failure, re-raised by run_chat_agent
@@ -376,6 +377,11 @@ class ChatServer:
         session = self.sessions.get(request.match_info["session"])
         fmt = "anthropic" if api in ("anthropic", "count_tokens") else "openai"
         cached = False
+
+        def refuse(status: int, message: str):   # the rollout's drop names them (agent.run_chat_agent)
+            if session is not None:
+                session.refused.append(f"{status} {message[:300]}")
+            return error_response(fmt, status, message)
         try:
             _check_key(request, session)
             async with session.lock:   # one request at a time: its body, then its CPU work (off the loop)
@@ -389,13 +395,13 @@ class ChatServer:
                     if api != "count_tokens":
                         session.last = (api, key, response)
         except BadRequest as e:
-            return error_response(fmt, e.status, str(e))
+            return refuse(e.status, str(e))
         except (TemplateError, RecursionError, UnicodeError) as e:   # e.g. a template that insists roles alternate
-            return error_response(fmt, 400, f"the chat template cannot render this request: {e}")
+            return refuse(400, f"the chat template cannot render this request: {e}")
         except Exception as e:
             if session.error is not e:
                 log.exception("chat server: request failed")
-            return error_response(fmt, 500, f"{type(e).__name__}: {e}")
+            return refuse(500, f"{type(e).__name__}: {e}")
         headers = {**({"x-molt-cached": "true"} if cached else {}),
                    **({"x-molt-ignored": ", ".join(ignored)} if ignored else {})}   # the run's sampling applies
         if isinstance(response, dict):

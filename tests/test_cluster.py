@@ -207,7 +207,7 @@ def test_loop_on_three_nodes_places_and_trains_token_exactly(cluster, tiny_model
                "--agent_cmd", f"bash {where}", "--dataset", str(data), "--agent_resources", '{"agent_node": 0.5}',
                "--train_workers", "2", "--weight_sync", "broadcast", "--steps", "2", "--prompts_per_step", "2",
                "--samples_per_prompt", "2", "--max_new_tokens", "2", "--mini_batches", "1", "--quiet",
-               "--no_plot", "--save_every", "2"])
+               "--no_plot", "--save_every", "2", "--program_sandbox", "off"])   # where.sh reads the host's /proc
     lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2]
     assert all(m["mismatch_abs"] < 1e-4 for m in lines), "token-exact across nodes, before and after a sync"
@@ -264,7 +264,7 @@ def test_a_program_on_another_node_trains_needs_its_key_and_ends_with_its_rollou
         loop.run_until_complete(server.start())
         prog = tmp_path / "remote.py"
         prog.write_text(PROGRAM)
-        remote = agents.program(f"{sys.executable} {prog}", 60, {"agent_node": 1})
+        remote = agents.program(f"{sys.executable} {prog}", 60, {"agent_node": 1}, confined=False)   # tries other URLs
         other = server.open_session(fake(tiny_tokenizer, []), tiny_tokenizer, sampling=sampling, max_len=128)
         row = {"prompt": "1?2=", "label": None, "other_key": other.key, "other_url": other.base_url,
                "report": str(tmp_path / "report.json")}

@@ -197,6 +197,14 @@ def test_a_failing_program_is_a_drop_with_its_reason_and_stderr(tmp_path, server
                     tiny_tokenizer, server, loop)
     assert e.value.reason == "error" and str(e.value).startswith("400 tools are not supported\n--agent_cmd ")
     assert "made no model request" in str(e.value)
+    # one whose every request the server refused: the drop names those answers (issue 46 item 9)
+    refused = script(tmp_path, "refused", "req = urllib.request.Request(os.environ['OPENAI_BASE_URL'] + "
+                     "'/chat/completions', b'{\"messages\": []}', {'Authorization': 'Bearer ' + "
+                     "os.environ['OPENAI_API_KEY'], 'Content-Type': 'application/json'})\ntry:\n"
+                     "    urllib.request.urlopen(req)\nexcept OSError:\n    pass\nprint('{\"reward\": 1}')\n")
+    with pytest.raises(DropRollout) as e:
+        run_program(refused, {"prompt": "1"}, fake(tiny_tokenizer, []), tiny_tokenizer, server, loop, confined=False)
+    assert e.value.reason == "error" and "; the server answered 400 " in str(e.value), str(e.value)
 
 
 def test_a_hanging_or_flooding_program_is_killed_with_its_whole_group(tmp_path, server, loop, tiny_tokenizer,
