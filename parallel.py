@@ -44,32 +44,24 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 @dataclass
 class ParallelDims:
-    """Degrees of parallelism of the trainer; dp_shard (-1) is what is left over.
+    """Degrees of parallelism of the trainer (each >= 1: main.validate); dp_shard is what is left over.
 
     EP borrows its ranks from dp_shard * cp (experts are split ep ways and the
     expert weights are FSDP-sharded over the remaining dp_shard * cp / ep ranks)."""
     world_size: int = 1
-    dp_shard: int = -1
     tp: int = 1
     cp: int = 1
     ep: int = 1
+    dp_shard: int = field(init=False)
     mesh: DeviceMesh | None = field(default=None, repr=False)
     dp_cp_mesh: DeviceMesh | None = field(default=None, repr=False)
     ep_mesh: DeviceMesh | None = field(default=None, repr=False)
 
     def __post_init__(self):
-        for name in ("world_size", "tp", "cp", "ep"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.world_size % (self.tp * self.cp):
             raise ValueError(f"--train_workers {self.world_size} is not divisible by --tp_size {self.tp} x "
                              f"--cp_size {self.cp}: data-parallel ranks would be fractional")
-        if self.dp_shard == -1:
-            self.dp_shard = self.world_size // (self.tp * self.cp)
-        if self.dp_shard * self.tp * self.cp != self.world_size:
-            raise ValueError(f"dp_shard {self.dp_shard} x tp {self.tp} x cp {self.cp} = "
-                             f"{self.dp_shard * self.tp * self.cp} must equal the number of trainer ranks "
-                             f"(--train_workers {self.world_size})")
+        self.dp_shard = self.world_size // (self.tp * self.cp)
         if (self.dp_shard * self.cp) % self.ep:
             raise ValueError(f"--ep_size {self.ep} must divide the data/context ranks dp_shard x cp = "
                              f"{self.dp_shard * self.cp} (EP borrows them; TP ranks are not used for EP)")
@@ -492,15 +484,13 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, *, param_dtype: torc
             units.append(fully_shard(block.mlp.gate, mesh=mesh, mp_policy=fp32, **extra))
         if isinstance(getattr(block.mlp, "experts", None), EPExperts):
             units.append(fully_shard(block.mlp.experts, mesh=dims.ep_mesh["efsdp"], mp_policy=mp, **extra))
+            for p in block.mlp.experts.parameters():
+                p._molt_ep = True              # its norm is summed over the EP group too
         units.append(fully_shard(block, mesh=mesh, mp_policy=mp, **extra))
     units.append(fully_shard(model, mesh=mesh, mp_policy=mp, **extra))
     for unit in units:
         unit.set_gradient_divide_factor(1.0)   # SUM over data ranks: losses are globally normalized
         unit.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no PREMUL_SUM)
-    for m in model.modules():
-        if isinstance(m, EPExperts):
-            for p in m.parameters():
-                p._molt_ep = True              # its norm is summed over the EP group too
     return model
 
 
@@ -521,12 +511,11 @@ def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float, dims: Par
     for p in params:
         if p.grad is None:
             continue
-        g = p.grad
-        local = g.to_local() if isinstance(g, DTensor) else g
-        sq = local.detach().float().pow(2).sum()
-        groups = []
+        g, groups = p.grad, []
         if isinstance(g, DTensor):  # sum the squares over the dims where g is split
             groups = [g.device_mesh.get_group(i) for i, pl in enumerate(g.placements) if not isinstance(pl, Replicate)]
+            g = g.to_local()
+        sq = g.detach().float().pow(2).sum()
         if getattr(p, "_molt_ep", False):
             groups.append(dims.group("ep"))
         key = tuple(id(x) for x in groups)
