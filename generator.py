@@ -40,6 +40,11 @@ import torch
 import lora
 import parallel
 
+# vLLM's speculative decoding (--spec_decode), lossless: the target model verifies every draft token, and the
+# returned logprobs are the target model's. ngram drafts from n-grams of the prompt (no extra weights); mtp is the
+# checkpoint's own multi-token-prediction head.
+SPEC_DECODE = {"ngram": {"prompt_lookup_max": 3, "prompt_lookup_min": 1}, "mtp": {}}
+
 # Keys of the sampling dict an agent or the loop may set per request.
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed", "ignore_eos",
                  "stop", "top_logprobs")
@@ -92,10 +97,12 @@ class Generator:
             max_num_seqs=max_seqs, max_num_batched_tokens=max(8192, max_len),
             **({"kv_cache_memory_bytes": self.kv["bytes"]} if self.kv else {}),
             disable_log_stats=True,   # vLLM's per-step stats and Prometheus loggers: nothing here reads them
-            speculative_config=speculative_config(spec_decode, spec_tokens),
+            speculative_config=spec_decode and {"method": spec_decode, "num_speculative_tokens": spec_tokens,
+                                                **SPEC_DECODE[spec_decode]},
             trust_remote_code=trust_remote_code,
             # LoRA: one adapter slot, swapped in place at each update (lora.py)
-            **({"enable_lora": True, "max_loras": 1, "max_lora_rank": lora.engine_rank(adapter["r"])} if adapter else {}),
+            **({"enable_lora": True, "max_loras": 1,
+                "max_lora_rank": next(k for k in lora.ENGINE_RANKS if k >= adapter["r"])} if adapter else {}),
             # Images per request (all turns of a trajectory); no video input.
             **({"limit_mm_per_prompt": {"image": max_images, "video": 0}} if vlm else {}),
         )
@@ -285,11 +292,10 @@ class Generator:
                 self.busy_s += time.perf_counter() - self._busy_since
 
     def shutdown(self):
-        if self.engine is not None:
-            self.engine.shutdown()
-            # vLLM's __del__ shuts down a second time; at interpreter exit that fails
-            # noisily because module globals are gone. Once is enough.
-            self.engine.shutdown = lambda *args, **kwargs: None
+        self.engine.shutdown()
+        # vLLM's __del__ shuts down a second time; at interpreter exit that fails
+        # noisily because module globals are gone. Once is enough.
+        self.engine.shutdown = lambda *args, **kwargs: None
 
 
 def forked_engine_core(fork: bool):
@@ -442,7 +448,6 @@ def start_engines(cfg: dict) -> Engines:
     a placement group of their own: engine GPUs are never the trainer's. On CPU each engine's
     threads and cores come from its node's (cpu_engine_env)."""
     n, gpus = cfg["num_engines"], parallel.gpu_shares(cfg, ray.cluster_resources().get("GPU", 0))[1]
-    per_engine = cfg["engine_tp_size"] * cfg["engine_dp_size"]
     bundle = {"CPU": 1, **({"GPU": gpus} if gpus else {}), **(cfg.get("engine_resources") or {})}
     pg = parallel.reserve([bundle] * n, "PACK", f"{n} engine(s)")
     # Which node holds each engine, from the placement itself: a task asking each node (a worker
@@ -464,7 +469,7 @@ def start_engines(cfg: dict) -> Engines:
         cpu_slot=None if gpus else (nodes, i, trainers_here, cfg["async_depth"] > 0, cfg.get("engine_threads")),
         adapter=lora.peft_config(cfg)) for i in range(n)]
     return Engines(actors, cfg["check_weight_sync"], broadcast=cfg["weight_sync"] == "broadcast",
-                   workers_per_engine=per_engine)
+                   workers_per_engine=cfg["engine_tp_size"] * cfg["engine_dp_size"])
 
 
 def kv_cache_bytes(text, dtype: str, max_len: int, seqs: int, available: int, gb: float | None = None) -> dict:
@@ -500,18 +505,6 @@ def cpu_engine_env(nodes: list[str], i: int, trainers: int, overlap: bool, threa
     if len(peers) > 1:
         env.update(OMP_PLACES="{" + ",".join(str(c % cores) for c in range(lo, lo + share)) + "}", OMP_PROC_BIND="true")
     return env
-
-
-def speculative_config(method: str | None, tokens: int) -> dict | None:
-    """vLLM's speculative decoding config. Lossless: the target model verifies every
-    draft token, and the returned logprobs are the target model's."""
-    if method is None:
-        return None
-    if method == "ngram":  # drafts from n-grams of the prompt; needs no extra weights
-        return {"method": "ngram", "num_speculative_tokens": tokens, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-    if method == "mtp":  # the checkpoint's own multi-token-prediction head
-        return {"method": "mtp", "num_speculative_tokens": tokens}
-    raise ValueError(f"--spec_decode {method!r} is unknown; choose ngram or mtp")
 
 
 def smoke(model: str):

@@ -93,11 +93,6 @@ def adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def engine_rank(r: int) -> int:
-    """vLLM's max_lora_rank for an adapter of rank r."""
-    return next(k for k in ENGINE_RANKS if k >= r)
-
-
 def load_into_engine(worker, tensors: dict[str, torch.Tensor], config: dict) -> list[str]:
     """A vLLM worker's side: replace the adapter in slot ADAPTER_ID with these tensors (no file)."""
     from vllm.lora.lora_model import LoRAModel
