@@ -15,6 +15,7 @@ a few symbols); use a real chat model, e.g. SmolLM2-135M-Instruct:
 """
 
 import functools
+import itertools
 
 from agent import Env, Result
 
@@ -39,15 +40,13 @@ class Arithmetic(Env):
     def prompts(cls, seed):
         import reasoning_gym
         from reasoning_gym.utils import SYSTEM_PROMPTS
-        epoch = 0
-        while True:
+        for epoch in itertools.count():
             data = reasoning_gym.create_dataset(DATASET, size=1000, seed=seed * 100_003 + epoch, **CONFIG)
             for entry in data:
                 yield {"prompt": [{"role": "system", "content": SYSTEM_PROMPTS["default"]},
                                   {"role": "user", "content": entry["question"]}],
                        "label": {"question": entry["question"], "answer": entry["answer"],
                                  "metadata": entry["metadata"]}}
-            epoch += 1
 
     async def step(self, state):
         return Result(reward=grade(state.action, state.label))

@@ -20,18 +20,14 @@ DEFAULT_TASK = "reasoning-gym:chain_sum:min_terms=2,max_terms=2,max_digits=1"
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
-def last_number(text: str) -> str | None:
-    found = NUMBER.findall(text.replace(",", ""))
-    return found[-1] if found else None
-
-
 class ReasoningGymAnswer(Env):
     @classmethod
     def prompts(cls, seed):
         yield from data.reasoning_gym_rows(DEFAULT_TASK, seed)
 
     async def step(self, state):
-        answer = last_number(state.action)
+        found = NUMBER.findall(state.action.replace(",", ""))
+        answer = found[-1] if found else None
         finished = state.finish_reason == "stop"
         score = data.score_reasoning_gym(state.row, answer) if answer is not None else 0.0
         return Result(reward=score if finished else 0.0, score=score,
