@@ -40,9 +40,8 @@ import torch
 import lora
 import parallel
 
-# vLLM's speculative decoding (--spec_decode), lossless: the target model verifies every draft token, and the
-# returned logprobs are the target model's. ngram drafts from n-grams of the prompt (no extra weights); mtp is the
-# checkpoint's own multi-token-prediction head.
+# --spec_decode, lossless: the target model verifies every draft token, and the logprobs are its own. ngram drafts
+# from n-grams of the prompt (no extra weights); mtp is the checkpoint's own multi-token-prediction head.
 SPEC_DECODE = {"ngram": {"prompt_lookup_max": 3, "prompt_lookup_min": 1}, "mtp": {}}
 
 # Keys of the sampling dict an agent or the loop may set per request.
