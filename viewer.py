@@ -16,8 +16,6 @@ Optional fields, shown when present: `turn_rewards` and `finish_reasons` (per tu
 `parent` (the rollout id a branch continues) and `branch_turn` (where; else the shared token prefix).
 """
 
-from __future__ import annotations
-
 import argparse
 import html
 import json
@@ -167,7 +165,7 @@ def write(run: str | Path, out: str | Path | None = None, tokenizer: str | None 
     return index
 
 
-def main(argv: list[str] | None = None) -> str:
+def main(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("run", help="the run's --output_dir (metrics.jsonl, config.json, the dumped rollouts)")
     p.add_argument("--out", default=None, help="where the pages go (default RUN/viewer)")
@@ -176,7 +174,6 @@ def main(argv: list[str] | None = None) -> str:
     args = p.parse_args(argv)
     index = write(args.run, args.out, args.tokenizer)
     print(f"wrote {index} (open it in a browser; no network needed)")
-    return str(index)
 
 
 if __name__ == "__main__":
