@@ -67,8 +67,7 @@ class RolloutPool:
 
     def fill(self, allowed: int):
         """Start groups until `allowed` (+ refills) have started or the pool is full."""
-        while (self.started < allowed + self.refill
-               and len(self.tasks) < self.cfg["rollout_in_flight"]):
+        while self.started < allowed + self.refill and len(self.tasks) < self.cfg["rollout_in_flight"]:
             i, row = next(self.rows)  # a group's id is its row's index in the prompt source
             self.pending.add(i)
             self.next_row = max(self.next_row, i + 1)

@@ -257,8 +257,7 @@ def entropy(logits: Tensor) -> Tensor:
     return lse - (torch.softmax(z, dim=-1) * z).sum(-1)
 
 
-def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
-               clip: Optional[float]) -> Tensor:
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: Optional[float]) -> Tensor:
     """Per-token 0.5 * max((v - R)^2, (old_v + clamp(v - old_v, -clip, clip) - R)^2); clip=None: unclipped."""
     v, R = values.float(), returns.float()
     loss = (v - R) ** 2

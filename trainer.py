@@ -137,9 +137,8 @@ class Trainer(sync.WeightSender, checkpoint.Checkpoints):
     tokens across data ranks, the same number of micro-batches on every rank, empty ones padded with a
     zero-weight row so collectives never deadlock)."""
 
-    def __init__(self, cfg: dict, rank: int = 0, world_size: int = 1,
-                 master_addr: str = "127.0.0.1", master_port: int = 0,
-                 node: tuple[int, int, bool] | None = None):
+    def __init__(self, cfg: dict, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1",
+                 master_port: int = 0, node: tuple[int, int, bool] | None = None):
         from transformers import AutoConfig, AutoTokenizer
         self.cfg = cfg
         torch.manual_seed(cfg["seed"])

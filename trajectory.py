@@ -44,8 +44,7 @@ class Trajectory:
     parent: int | None = None        # a branch: the rollout that trains the prefix it shares (--branches)
     branch_turn: int | None = None   # ... and the turn it branched at (its tokens before are not trained here)
 
-    def add(self, ids: list[int], sampled: bool, logprobs: list[float] | None = None,
-            version: int | list[int] = -1):
+    def add(self, ids: list[int], sampled: bool, logprobs: list[float] | None = None, version: int | list[int] = -1):
         self.turns += [self.turns[-1] + self.mask[-1] if self.turns else 0] * len(ids)   # after a reply: a new turn
         self.tokens += ids
         self.mask += [int(sampled)] * len(ids)
@@ -66,8 +65,7 @@ class DropRollout(Exception):
         self.reason = reason
 
 
-async def sample(generate: Generate, tokens: list[int], images: list[str], sampling: dict,
-                  image_tokens) -> dict:
+async def sample(generate: Generate, tokens: list[int], images: list[str], sampling: dict, image_tokens) -> dict:
     """One completion of `tokens`. With images the engine gets one pad per image and the
     images (vision.py's convention) and must expand them into exactly `tokens`."""
     if not images:
