@@ -141,11 +141,9 @@ def write(run: str | Path, out: str | Path | None = None, tokenizer: str | None 
     """Write the viewer's pages for the run in `run`; returns the index page."""
     run = Path(run)
     cfg = json.loads((run / "config.json").read_text()) if (run / "config.json").is_file() else {}
-    metrics = ([json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-               if (run / "metrics.jsonl").is_file() else [])
-    files = sorted(dump_folder(run, cfg).glob("step_*.jsonl"))
-    steps = [(int(f.stem[5:]), [json.loads(line) for line in f.read_text().splitlines() if line.strip()])
-             for f in files]
+    jsonl = lambda f: [json.loads(line) for line in f.read_text().splitlines() if line.strip()] if f.is_file() else []
+    metrics = jsonl(run / "metrics.jsonl")
+    steps = [(int(f.stem[5:]), jsonl(f)) for f in sorted(dump_folder(run, cfg).glob("step_*.jsonl"))]
     tok = load_tokenizer(run, cfg, tokenizer)
     ids = {i for _, trajs in steps for t in trajs for i in t.get("tokens", ())}
     texts = {i: tok.decode([i]) for i in ids}
