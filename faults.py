@@ -379,7 +379,7 @@ class AgentThreads:
 class Watchdog:
     """A thread that reports a stalled event loop, the driver's or an agent thread's (see the module docstring)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, agents: AgentThreads | None = None):
+    def __init__(self, loop: asyncio.AbstractEventLoop, agents: AgentThreads):
         self.loop, self.agents = loop, agents
         self.tick = time.monotonic()
         self.stop = threading.Event()
@@ -415,7 +415,7 @@ class Watchdog:
         while not self.stop.wait(min(1.0, BLOCKED_S / 4)):
             main_reported = self._report("the driver's event loop (rollouts, engine calls, training)",
                                          time.monotonic() - self.tick, self.main_ident, main_reported)
-            for t in list(self.agents.threads) if self.agents else []:
+            for t in list(self.agents.threads):
                 t.reported = self._report(f"agent thread {t.thread.name}", t.blocked_for(), t.thread.ident, t.reported)
 
 
