@@ -75,6 +75,7 @@ class Result:
     sampling_params: dict | None = None        # next turn: max_tokens, stop_token_ids, seed (not temperature/top_p/top_k)
     images: list | None = None       # shown with the observation next turn (Env; VLMs): paths, data URIs, PIL
     state_key: str | None = None     # the state reached, for --estimator gigpo (default: the observation)
+    context: list[dict] | None = None  # Env: the conversation rewritten; the observation follows it in a new segment
 
 
 @dataclass
@@ -117,11 +118,24 @@ BRANCH_GRACE = 1.0   # seconds a branch point's deadline keeps before its caller
 Call = Callable[..., Awaitable[Any]]        # (fn, *args) -> what fn(*args) returns, run where agent code runs
 
 
+SUMMARY_REQUEST = ("Your context is full. Write a summary of what you still need from this conversation: it replaces "
+                   "the conversation, and the task goes on after it.")
+
+
+def rewrite_context(policy: str, keep: int, messages: list[dict], prompt: int) -> list[dict]:
+    """--context window / drop_tool_output: the row's first `prompt` messages, then the last `keep` replies and the
+    observations between them, or every reply with a placeholder for each observation (`messages` ends with a reply)."""
+    head, rest = messages[:prompt], messages[prompt:]
+    if policy == "window":
+        return head + rest[-(2 * keep - 1):]
+    return head + [m if m["role"] == "assistant" else {**m, "content": "[output dropped]"} for m in rest]
+
+
 async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
                   sampling: dict, max_len: int, max_turns: int | None = None,
                   image_tokens=None, max_images: int | None = None, call: Call | None = None,
-                  branch_turns: tuple = (), branches: int = 1,
-                  deadline: float | None = None) -> Trajectory | list[Trajectory]:
+                  branch_turns: tuple = (), branches: int = 1, deadline: float | None = None,
+                  context: str = "none", context_turns: int = 2) -> Trajectory | list[Trajectory]:
     """Run one episode of `env` on `row`; returns its token-exact trajectory. For a vision-language model
     `image_tokens` (vision.ImageTokens) places the row's images (row["images"]) and the observations'
     (Result.images); a trajectory shows at most `max_images` (the engine's per-request limit): an observation
@@ -129,7 +143,9 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
     runs it on an agent thread (faults.AgentThreads), so a blocking step cannot freeze the loop.
     `branches` M > 1: forks (`Env.fork`) before each of `branch_turns` into M continuations; returns the leaves,
     shared tokens trained in the first (the others' `parent`), failed ones left out (info["branches_dropped"]), and so
-    are those still running at `deadline` (the loop's clock; a nested branch point's is BRANCH_GRACE s earlier)."""
+    are those still running at `deadline` (the loop's clock; a nested branch point's is BRANCH_GRACE s earlier).
+    A rewrite (`Result.context`, or the `context` policy before an overflow) ends the segment, the next starts from the
+    rewritten messages: returns the segments then (`_share_reward`); a "summarize" summary is a turn (reward 0)."""
     call = call or _call_here
     images = image_tokens.uris(row.get("images")) if image_tokens else _no_images(row.get("images"))
     messages = with_images(prompt_messages(row["prompt"]), images)
@@ -137,10 +153,28 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
     traj = Trajectory(tokens=[], mask=[], logprobs=[], versions=[], reward=0.0, images=images, states=[""])
     prompt = encode(tokenizer, render(tokenizer, messages, add_generation_prompt=True))
     traj.add(image_tokens.expand(prompt, images) if images else prompt, False)
-    turns = max_turns or env.max_turns
+    turns, first_messages, sealed = max_turns or env.max_turns, len(messages), []
     if len(traj.tokens) >= max_len:   # no room for a reply: not a row to train
         raise DropRollout("prompt_too_long", f"the prompt is {len(traj.tokens)} tokens, no room for a reply "
                           f"within --max_len {max_len}")
+
+    async def reply(traj: Trajectory, params: dict, budget: int) -> dict:
+        out = await sample(generate, traj.tokens, traj.images, {**params, "max_tokens": min(params["max_tokens"], budget)},
+                           image_tokens)
+        traj.add(out["token_ids"], True, out["logprobs"], out.get("versions", out["version"]))
+        traj.finish_reasons.append(out["finish_reason"])
+        traj.info["episode_tokens"] = traj.info.get("episode_tokens", len(prompt)) + len(out["token_ids"])
+        return out
+
+    async def summarize(traj: Trajectory, messages: list, out: dict, params: dict) -> list | None:
+        request = delta_ids(tokenizer, messages, out["token_ids"], [{"role": "user", "content": SUMMARY_REQUEST}])
+        if len(traj.tokens) + len(request) >= max_len:
+            return None
+        traj.add(request, False)
+        traj.states.append("summary")
+        out = await reply(traj, params, max_len - len(traj.tokens))
+        traj.turn_rewards.append(0.0)
+        return messages[:first_messages] + [{"role": "assistant", "content": decode_reply(tokenizer, out["token_ids"])}]
 
     async def play(env: Env, traj: Trajectory, messages: list, params: dict, observation, first: int, until) -> list:
         for turn in range(first, turns):
@@ -152,10 +186,7 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
             if budget <= 0:
                 traj.info["truncated"] = 1.0
                 break
-            out = await sample(generate, traj.tokens, traj.images,
-                               {**params, "max_tokens": min(params["max_tokens"], budget)}, image_tokens)
-            traj.add(out["token_ids"], True, out["logprobs"], out.get("versions", out["version"]))
-            traj.finish_reasons.append(out["finish_reason"])
+            out = await reply(traj, params, budget)
             action = decode_reply(tokenizer, out["token_ids"])
             messages.append({"role": "assistant", "content": action})
             result = await call(env.step, State(prompt=row["prompt"], label=row.get("label"), action=action,
@@ -175,17 +206,36 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
             content = with_images([{"role": "user", "content": observation}], new_images)[0]["content"]
             obs_ids = delta_ids(tokenizer, messages, out["token_ids"], [{"role": "user", "content": content}])
             obs_ids = image_tokens.expand(obs_ids, new_images) if new_images else obs_ids
-            if (len(traj.tokens) + len(obs_ids) >= max_len  # whole observations only: never half an image
+            traj.info["episode_tokens"] += len(obs_ids)
+            rewritten = result.context   # a policy's rewrite: before the next turn would overflow (summarize: its own too)
+            if rewritten is None and context != "none" and (
+                    len(traj.tokens) + len(obs_ids) + params["max_tokens"] * (1 + (context == "summarize")) > max_len):
+                rewritten = (await summarize(traj, messages, out, params) if context == "summarize"
+                             else rewrite_context(context, context_turns, messages, first_messages))
+            if rewritten is not None:   # the next turn starts a segment from the rewritten messages
+                if branches > 1 or traj.images or new_images:
+                    raise ValueError("a context rewrite (Result.context or --context) works without --branches and images")
+                messages = list(rewritten)
+                new = encode(tokenizer, render(tokenizer, messages + [{"role": "user", "content": content}], True))
+                traj.info["rewrite_dropped_tokens"] = traj.info.get("rewrite_dropped_tokens", 0.0) + max(
+                    len(traj.tokens) + len(obs_ids) - len(new), 0)
+                obs_ids = new
+            if ((0 if rewritten is not None else len(traj.tokens)) + len(obs_ids) >= max_len  # whole observations only
                     or (max_images is not None and len(traj.images) + len(new_images) > max_images)):
                 traj.info["truncated"] = 1.0
                 break
+            if rewritten is not None:
+                sealed.append(traj)
+                traj = Trajectory(tokens=[], mask=[], logprobs=[], versions=[], reward=0.0, info=traj.info, states=[])
             traj.add(obs_ids, False)
             traj.images += new_images
             traj.states.append(observation if result.state_key is None else str(result.state_key))
             messages.append({"role": "user", "content": content})
             params = {**params, **_override(params, result.sampling_params)}
-        traj.info["turns"] = float(len(traj.turn_rewards))
-        return [traj]
+        traj.info["turns"] = float(sum(len(t.turn_rewards) for t in sealed + [traj]))
+        if context == "none" and not sealed:   # reported where rewrites can cut the episode
+            traj.info.pop("episode_tokens", None)
+        return sealed + [traj]
 
     async def fork(episodes: list, turn: int, shared: int, until: float | None) -> list[Trajectory]:
         tasks = [asyncio.ensure_future(play(*e, turn, until and until - BRANCH_GRACE)) for e in episodes]
@@ -209,10 +259,24 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
 
     leaves = await play(env, traj, messages, dict(sampling), None, 0, deadline and deadline - BRANCH_GRACE)
     if branches <= 1:
-        return leaves[0]
+        return leaves[0] if len(leaves) == 1 else _share_reward(leaves)
     for i, t in enumerate(leaves):   # local ids (a parent comes before its branches); the pool offsets them
         t.rollout_id, t.parent = i, t.parent and t.parent.rollout_id
     return leaves
+
+
+def _share_reward(segments: list[Trajectory]) -> list[Trajectory]:
+    """The credit rule (docs/algorithms.md): every segment carries the rollout's reward and score, and a segment's last
+    turn also the rewards of the segments after it, so each turn's reward-to-go is the whole rollout's."""
+    later = 0.0
+    for seg in reversed(segments):
+        own = sum(seg.turn_rewards)
+        seg.turn_rewards[-1] += later
+        later += own
+    score = sum(seg.score for seg in segments)
+    for seg in segments:
+        seg.reward, seg.score = later, score
+    return segments
 
 
 # What an Env's Result.sampling_params may set for its next turn, and the values each takes.
@@ -333,7 +397,8 @@ async def run_agent(cfg: dict, agent_cls: type, row: dict, generate, tokenizer, 
         run = run_env(agent_cls(), row, generate, tokenizer, sampling=sampling, max_len=cfg["max_len"],
                       max_turns=cfg["max_turns"], image_tokens=images, max_images=cfg["max_images_per_prompt"],
                       call=call, branch_turns=cfg.get("branch_turns") or (1,),
-                      branches=cfg.get("branches", 1) if branch else 1,
+                      branches=cfg.get("branches", 1) if branch else 1, context=cfg.get("context", "none"),
+                      context_turns=cfg.get("context_turns", 2),
                       deadline=asyncio.get_running_loop().time() + cfg["agent_timeout"])
     # a program times out by itself, then its process group is killed and its stderr shown: a grace for that
     limit = cfg["agent_timeout"] + 5.0 * issubclass(agent_cls, Program)

@@ -124,6 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "an Env episode, each a rollout; shared tokens are trained once (--estimator branch_value)")
     g.add_argument("--branch_turns", type=int, nargs="+", default=None, help="turns before which an episode "
                    "branches (with --branches > 1; default: 1)")
+    g.add_argument("--context", default="none", choices=["none", "window", "drop_tool_output", "summarize"],
+                   help="an Env episode that would overflow --max_len goes on in a new segment (sharing the reward) from "
+                   "the prompt and the last --context_turns turns, every reply without earlier observations, or the "
+                   "model's own summary, sampled and trained as a turn (docs/agent.md)")
+    g.add_argument("--context_turns", type=int, default=2, help="replies (and the observations between) --context window keeps")
     g.add_argument("--agent_timeout", type=float, default=300.0, help="seconds before a rollout is dropped")
     g.add_argument("--max_failed_groups", type=int, default=100, help="stop the run when this many prompt groups "
                    "in a row gave nothing to train (all rollouts failed, or equal rewards with --filter_groups)")
@@ -317,7 +322,7 @@ def validate(cfg: dict) -> dict:
     for k in ("steps", "prompts_per_step", "samples_per_prompt", "max_new_tokens", "max_len", "micro_batch_size",
               "mini_batches", "ppo_epochs", "train_workers", "tp_size", "cp_size", "ep_size", "num_engines",
               "engine_tp_size", "engine_dp_size", "spec_tokens", "sync_bucket_mb", "engine_max_seqs",
-              "branches", "max_turns", "train_threads", "engine_threads"):   # the last two: None for a default said at start-up
+              "branches", "max_turns", "train_threads", "engine_threads", "context_turns"):   # the last two: None for a default said at start-up
         need(cfg[k] is None or cfg[k] >= 1, f"--{k} must be >= 1, got {cfg[k]}")
     for k in ("async_depth", "lora_rank"):
         need(cfg[k] >= 0, f"--{k} must be >= 0, got {cfg[k]}")
@@ -541,6 +546,9 @@ def validate(cfg: dict) -> dict:
     need(cfg["branches"] == 1 or issubclass(agent_cls, agents.Env), f"--branches {cfg['branches']}: "
          f"{agent_cls.__name__} is not an Env; only an Env's state is the framework's to copy (a ChatAgent or a "
          "program runs its own loop), so it cannot branch: drop --branches")
+    need(cfg["context"] == "none" or (issubclass(agent_cls, agents.Env) and cfg["branches"] == 1), f"--context "
+         f"{cfg['context']}: rewrites an Env's conversation without --branches (a ChatAgent or a program rewrites its "
+         "own by sending a shorter history, a new segment each time)")
     if issubclass(agent_cls, agents.ChatAgent):  # only the server parses replies (vLLM's parsers: a ~10 s import)
         import server
         server.reply_parsers(cfg["tool_parser"], cfg["reasoning_parser"], tokenizer)   # known names that fit the vocabulary

@@ -102,16 +102,21 @@ function byId(t, rid) {  // the index of rollout `rid` of t's group (its first s
 const promptOf = t => { const n = t.mask ? (t.mask.indexOf(1) < 0 ? t.mask.length : t.mask.indexOf(1)) : 0;
   return t.tokens ? t.tokens.slice(0, n).map(id => DATA.texts[id]).join("") : JSON.stringify(t.prompt); };
 
+// A rollout's segments (rows sharing its group and id: each rewrite of its context starts one) hang under its first.
+const segments = t => t.dropped ? [] : DATA.rollouts.flatMap((r, j) => !r.dropped && r.group === t.group && r.rollout_id === t.rollout_id ? [j] : []);
+
 function summary(i) {
-  const t = DATA.rollouts[i], sampled = (t.mask || []).reduce((a, b) => a + b, 0), p = byId(t, parentOf(t));
+  const t = DATA.rollouts[i], sampled = (t.mask || []).reduce((a, b) => a + b, 0), p = byId(t, parentOf(t)), segs = segments(t);
   return `#${i} · group ${t.group} · rollout ${t.rollout_id ?? ""} · ` + (t.dropped ? `<b>dropped: ${esc(t.dropped)}</b>` : `reward <b>${fmt(t.reward)}</b>`)
+    + (segs.length > 1 ? ` · segment ${segs.indexOf(i) + 1} of ${segs.length}` : "")
     + ` · ${sampled} sampled tokens` + (t.turn_rewards ? ` · turn rewards ${t.turn_rewards.map(fmt).join(" ")}` : "")
     + (p != null ? ` · ↳ branch of #${p}` : "");
 }
 
-function order() {  // rollouts in dump order, each branch right after its parent (a tree), dropped ones last
+function order() {  // rollouts in dump order, each branch or later segment right after its parent (a tree), dropped ones last
   const kids = {}, roots = [];
-  DATA.rollouts.forEach((t, i) => { const p = byId(t, parentOf(t)); if (p == null || t.dropped) roots.push(i); else (kids[p] = kids[p] || []).push(i); });
+  DATA.rollouts.forEach((t, i) => { const s = segments(t)[0], p = byId(t, parentOf(t)) ?? (s < i ? s : null);
+    if (p == null || t.dropped) roots.push(i); else (kids[p] = kids[p] || []).push(i); });
   const out = [], visit = (i, depth) => { out.push([i, depth]); (kids[i] || []).forEach(c => visit(c, depth + 1)); };
   roots.filter(i => !DATA.rollouts[i].dropped).forEach(i => visit(i, 0));
   roots.filter(i => DATA.rollouts[i].dropped).forEach(i => out.push([i, 0]));

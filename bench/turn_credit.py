@@ -23,10 +23,12 @@ sys.path.insert(0, str(ROOT))
 from agent import Env, Result  # noqa: E402
 
 SEEDS, STEPS = (0, 1, 2), 50
-COMMON = ["--prompts_per_step", "8", "--max_new_tokens", "2", "--quiet", "--no_plot", "--export_hf", "none"]
-CONFIGS = {"grpo": ["--estimator", "grpo", "--samples_per_prompt", "8"],   # 16 replies per group, 12 branching:
-           "turn-level": ["--estimator", "gigpo", "--samples_per_prompt", "8"],  # it runs 4/3 the steps
-           "branching": ["--estimator", "branch_value", "--samples_per_prompt", "4", "--branches", "2"]}
+COMMON = ["--max_new_tokens", "2", "--quiet", "--no_plot", "--export_hf", "none"]
+TASK = ["--agent", __file__, "--prompts_per_step", "8", "--steps"]
+CONFIGS = {"grpo": [*TASK, str(STEPS), "--estimator", "grpo", "--samples_per_prompt", "8"],   # 16 replies per
+           "turn-level": [*TASK, str(STEPS), "--estimator", "gigpo", "--samples_per_prompt", "8"],   # group, 12
+           "branching": [*TASK, str(round(STEPS * 4 / 3)), "--estimator", "branch_value", "--samples_per_prompt", "4",
+                         "--branches", "2"]}   # branching: it runs 4/3 the steps
 
 
 class LargerDigit(Env):
@@ -50,27 +52,26 @@ class LargerDigit(Env):
         return Result(float(self.winnable))
 
 
-def run(name: str, seed: int, out: Path) -> list[tuple]:
-    """(cumulative sampled tokens, cumulative step seconds, reward) per step of one run."""
-    steps = round(STEPS * (4 / 3 if name == "branching" else 1))
-    cmd = [sys.executable, "main.py", "--agent", __file__, "--steps", str(steps), "--seed", str(seed),
-           "--output_dir", str(out), *COMMON, *CONFIGS[name]]
+def run(args: list[str], seed: int, out: Path) -> list[tuple]:
+    """(cumulative sampled tokens, cumulative step seconds, reward, score) per step of one main.py run (also
+    bench/past_window.py's)."""
+    cmd = [sys.executable, "main.py", *args, "--seed", str(seed), "--output_dir", str(out), *COMMON]
     print("+", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     tokens = seconds = 0.0
     for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()):
         tokens, seconds = tokens + m["response_len"] * m["rollouts"], seconds + m["step_s"]
-        yield tokens, seconds, m["reward_mean"]
+        yield tokens, seconds, m["reward_mean"], m["score_mean"]
 
 
 def mean_reward(steps: list[tuple], i: int, budget: float, low: float) -> float:
-    rewards = [r for *x, r in steps if low * budget < x[i] <= budget]
+    rewards = [r for *x, r, _ in steps if low * budget < x[i] <= budget]
     return sum(rewards) / max(len(rewards), 1)
 
 
 def main():
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {(n, s): list(run(n, s, Path(tmp) / f"{n}-{s}")) for n in CONFIGS for s in SEEDS}
+        runs = {(n, s): list(run(CONFIGS[n], s, Path(tmp) / f"{n}-{s}")) for n in CONFIGS for s in SEEDS}
     for i, key in ((1, "seconds"), (0, "sampled tokens")):   # budget: what the cheapest run used
         budget = min(steps[-1][i] for steps in runs.values())
         for low, what in ((0.75, "last quarter"), (0.0, "mean")):

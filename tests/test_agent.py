@@ -284,3 +284,101 @@ def test_nested_branches_train_every_sampled_token_exactly_once(tiny_tokenizer):
     assert len(engine.calls) == 7 and len(leaves) == 4             # 1 + 2 + 4 replies, 4 leaves
     assert sum(sum(t.mask) for t in leaves) == sum(len(out["token_ids"]) for _, out in engine.calls)
     assert [t.parent for t in leaves] == [None, 0, 0, 2] and [t.branch_turn for t in leaves] == [None, 2, 1, 2]
+
+
+class Facts(Env):
+    """A fact per turn (its number, `width` times), for 6 turns; reward 1 per reply that repeats its turn's number."""
+    max_turns, width = 6, 1
+
+    async def step(self, state):
+        last = state.turn == self.max_turns - 1
+        return Result(reward=float(state.action == str(state.turn)), observation=str(state.turn + 1) * self.width,
+                      terminated=last, context=getattr(self, "rewrite", lambda s: None)(state))
+
+
+def run_facts(tok, replies, env=None, **kw):
+    engine = FakeEngine(tok, replies)
+    out = asyncio.run(agents.run_env(env or Facts(), {"prompt": "0"}, engine, tok, sampling={"max_tokens": 4},
+                                     max_len=kw.pop("max_len", 24), **kw))
+    return engine, out if isinstance(out, list) else [out]
+
+
+def test_without_a_context_policy_an_overflowing_episode_ends_truncated(tiny_tokenizer):
+    _, (traj,) = run_facts(tiny_tokenizer, list("0123456789"))
+    assert traj.info["truncated"] == 1.0 and traj.info["turns"] < 6 and "episode_tokens" not in traj.info
+
+
+def test_rewrite_context_policies():
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "p"}] + [
+        {"role": r, "content": f"{r[0]}{i}"} for i in range(3) for r in ("assistant", "user")][:-1]   # ends: a reply
+    assert agents.rewrite_context("window", 2, msgs, 2) == msgs[:2] + msgs[-3:]
+    assert agents.rewrite_context("window", 9, msgs, 2) == msgs
+    assert agents.rewrite_context("drop_tool_output", 1, msgs, 2) == msgs[:2] + [
+        m if m["role"] == "assistant" else {"role": "user", "content": "[output dropped]"} for m in msgs[2:]]
+
+
+@pytest.mark.parametrize("policy", ["window", "drop_tool_output"])
+def test_a_context_policy_goes_on_in_new_segments_token_exact(tiny_tokenizer, policy):
+    tok, env = tiny_tokenizer, Facts()
+    env.width = 1 if policy == "window" else 24                # dropping a 1-character output saves nothing
+    max_len = 24 if policy == "window" else 128             # the unrewritten episode: 36 and 151 tokens
+    engine, segs = run_facts(tok, list("012345"), env=env, context=policy, context_turns=1, max_len=max_len)
+    assert len(segs) > 1 and "truncated" not in segs[0].info and segs[0].info["turns"] == 6
+    # every engine call's prompt is its segment's trace so far; a segment's sampled tokens are its replies'
+    calls, i = engine.prompts, 0
+    for seg in segs:
+        starts = [k for k in range(1, len(seg.mask)) if seg.mask[k - 1] == 0 and seg.mask[k] == 1]
+        for k in starts:
+            assert calls[i] == seg.tokens[:k]
+            i += 1
+        assert tok.decode([t for t, m in zip(seg.tokens, seg.mask) if m]) == "".join(
+            f"{r}<|end|>" for r in "012345"[i - len(starts):i])
+    assert i == len(calls) == 6
+    # the second segment starts from the rewritten conversation, then the observation
+    k = len(segs[0].turn_rewards)
+    kept = [{"role": "assistant", "content": str(k - 1)}] if policy == "window" else [
+        m for j in range(k) for m in ([{"role": "user", "content": "[output dropped]"}] if j else []) +
+        [{"role": "assistant", "content": str(j)}]]
+    text = tok.apply_chat_template([{"role": "user", "content": "0"}, *kept, {"role": "user", "content": str(k) * env.width}],
+                                   tokenize=False, add_generation_prompt=True)
+    assert segs[1].tokens[:segs[1].mask.index(1)] == tok(text, add_special_tokens=False)["input_ids"]
+    # the segments share the rollout's reward (all 6 replies right) and each turn's reward-to-go is the rollout's
+    assert all(s.reward == 6.0 and s.score == 6.0 for s in segs)
+    togo = [sum(s.turn_rewards[t:]) for s in segs for t in range(len(s.turn_rewards))]
+    assert togo == [6.0 - t for t in range(6)]
+    assert segs[0].info["episode_tokens"] == (36 if policy == "window" else 151) > max_len >= max(map(len, (s.tokens for s in segs)))
+    assert segs[0].info["rewrite_dropped_tokens"] > 0
+
+
+def test_summarize_samples_and_trains_the_summary_turn(tiny_tokenizer, monkeypatch):
+    tok = tiny_tokenizer
+    monkeypatch.setattr(agents, "SUMMARY_REQUEST", "=")   # one character: the tiny tokenizer spells words out
+    engine, segs = run_facts(tok, ["0", "1", "2", "9", "3", "4", "8", "5"], context="summarize")
+    assert [tok.decode(p[-4:]) for p in engine.prompts].count("<|user|>=<|end|><|assistant|>") == 2 == len(segs) - 1
+    # each summary is its segment's last turn, sampled and trained, reward 0 (plus the later segments' rewards)
+    assert [s.turn_rewards for s in segs] == [[1.0, 1.0, 1.0, 3.0], [1.0, 1.0, 1.0], [1.0]]
+    assert [tok.decode(s.tokens[-2:]) for s in segs[:2]] == ["9<|end|>", "8<|end|>"] and segs[0].mask[-2:] == [1, 1]
+    assert segs[0].states == ["", "1", "2", "summary"] and all(s.reward == 6.0 for s in segs)
+    # the next segment starts from the prompt, the summary as the model's turn, and the observation
+    for seg, summary, obs in ((segs[1], "9", "3"), (segs[2], "8", "5")):
+        text = tok.apply_chat_template([{"role": "user", "content": "0"}, {"role": "assistant", "content": summary},
+                                        {"role": "user", "content": obs}], tokenize=False, add_generation_prompt=True)
+        assert seg.tokens[:seg.mask.index(1)] == tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_an_env_rewrites_its_own_context(tiny_tokenizer):
+    class Forget(Facts):   # keeps only the prompt after turn 1
+        def rewrite(self, state):
+            return [{"role": "user", "content": "0"}] if state.turn == 1 else None
+    engine, segs = run_facts(tiny_tokenizer, list("012345"), env=Forget(), max_len=64)
+    assert len(segs) == 2 and [len(s.turn_rewards) for s in segs] == [2, 4]
+    assert tiny_tokenizer.decode(engine.prompts[2]) == "<|user|>0<|end|><|user|>2<|end|><|assistant|>"
+
+
+def test_share_reward_gives_every_segment_the_rollouts_reward_and_return():
+    from trajectory import Trajectory
+    segs = [Trajectory(tokens=[], mask=[], logprobs=[], versions=[], reward=0.0, turn_rewards=r, score=1.0)
+            for r in ([1.0, 2.0], [3.0], [4.0, 5.0])]
+    agents._share_reward(segs)
+    assert [s.turn_rewards for s in segs] == [[1.0, 14.0], [12.0], [4.0, 5.0]]
+    assert [(s.reward, s.score) for s in segs] == [(15.0, 3.0)] * 3

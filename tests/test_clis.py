@@ -56,6 +56,20 @@ def test_cli_runs_as_it_ships_and_its_work_is_checked(name, server, loop):
         assert result in tok.decode(rec.calls[1][0][len(rec.calls[0][0]):])
 
 
+@pytest.mark.parametrize("name", CLIS)
+def test_cli_on_a_harbor_task_is_scored_by_the_tasks_tests(name, server, loop):
+    """A task row (--dataset examples/tasks): the wrapper leaves the reward to the task's tests/test.sh."""
+    from _smollm import smol_tokenizer
+    from test_tasks import row_of
+    tok, (tool, arg) = smol_tokenizer(), CLIS[name][2:4]
+    rec = fake(tok, ['<tool_call>{{"name": "{}", "arguments": {{"{}": "echo Hello, world! > hello.txt"}}}}</tool_call>'
+                     .format(tool, arg), "Done."])
+    segs = loop.run_until_complete(agents.run_chat_agent(agents.program(command(name), 120)(), row_of("hello-file"),
+                                                         rec, tok, server, sampling={"max_tokens": 64}, max_len=8192))
+    assert len(rec.calls) == 2 and segs[0].reward == 1.0
+    check_token_exact(segs, rec.calls)
+
+
 @pytest.fixture(scope="module")
 def smollm2(loop):
     """One real engine on SmolLM2-135M-Instruct (8K positions) and its tokenizer, for the module."""

@@ -366,3 +366,28 @@ def test_branching_rollouts_through_the_real_loop(tiny_model, tmp_path):
             assert t["tokens"][:shared] == first["tokens"][:shared] and t["states"] == first["states"]
             assert sum(t["mask"][:shared]) == 0 < sum(first["mask"][:shared])
             assert len(t["turn_rewards"]) == 2 and t["reward"] == sum(t["turn_rewards"])
+
+
+def test_context_rewrites_through_the_real_loop(tiny_model, tmp_path):
+    """--context window on an episode over 3x --max_len (vLLM, Ray, the trainer): every rollout goes on in
+    segments that share its id and reward, each within --max_len, its sampled tokens with their logprobs."""
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    main.main(["--model", tiny_model, "--agent", main.__file__.replace("main.py", "bench/past_window.py"),
+               "--context", "window", "--context_turns", "1", "--max_len", "40", "--steps", "2", *SMALL,
+               "--max_new_tokens", "2", "--output_dir", str(tmp_path / "run"), "--export_hf", "none", "--no_plot",
+               "--dump_rollouts", str(dump)])
+    lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    # (a random policy's replies can hold special tokens, re-rendered as longer text: those rollouts end truncated)
+    assert all(m["rollouts"] == 16 and m["segments_per_rollout"] > 1 and m["info/episode_tokens"] > 40 for m in lines)
+    for step in _dumped(dump):
+        rollouts = {}
+        for t in step:
+            rollouts.setdefault((t["group"], t["rollout_id"]), []).append(t)
+            assert len(t["tokens"]) <= 40 and sum(t["mask"]) > 0
+            assert all(lp == 0 for lp, m in zip(t["logprobs"], t["mask"]) if not m) and any(t["logprobs"])
+        assert len(rollouts) == 16
+        for segs in rollouts.values():
+            assert len({t["reward"] for t in segs}) == 1 and len({json.dumps(t["info"]) for t in segs}) == 1
+            assert sum(len(t["turn_rewards"]) for t in segs) == segs[0]["info"]["turns"]
+            assert segs[0]["info"]["turns"] == 8 or segs[0]["info"]["truncated"] == 1

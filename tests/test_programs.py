@@ -245,8 +245,8 @@ def test_a_remote_program_s_failure_is_its_rollout_s_drop_not_the_run_s_end(tmp_
         def session(self):
             return fake(tiny_tokenizer, ["7"])
         is_engine_error = staticmethod(Engines.is_engine_error)
-    ray.init(num_cpus=1, resources={"agent_node": 1}, include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})   # the task's worker imports agent.py
+    ray.init(address="local", num_cpus=1, resources={"agent_node": 1}, include_dashboard=False,   # never a stale
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})   # ray_current_cluster's; its worker imports agent.py
     registered, remote = [], ray.remote
     monkeypatch.setattr(ray, "remote", lambda *a, **k: registered.append(a) or remote(*a, **k))
     cfg = {"model": tiny_model, "max_len": 128, "agent_timeout": 60, "temperature": 1.0, "top_p": 1.0,

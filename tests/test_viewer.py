@@ -258,3 +258,19 @@ def test_markup_in_model_text_is_shown_as_text(chromium, tmp_path):
     dropped = Dom(browse(chromium, tmp_path / "step.html", "#open=0")).find("details", "dropped")
     assert len(dropped) == 1 and "<!--<script>a & b > c" in dropped[0]["text"], dropped
     assert "</script><script>alert(1)</script>" in dropped[0]["text"], dropped
+
+
+def test_a_rollouts_segments_show_as_one_tree(chromium, tiny_model, tiny_tokenizer, tmp_path):
+    tok, run = tiny_tokenizer, tmp_path / "run"
+    (run / "dump").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"model": tiny_model}))
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward_mean": 1.0}) + "\n")
+    rows = [traj(tok, "1", [("1", None)], 1.0, 0, 0), traj(tok, "2", [("2", None)], 0.0, 0, 1),
+            traj(tok, "1", [("3", None)], 1.0, 0, 0), traj(tok, "1", [("4", None)], 1.0, 0, 0)]   # #0's segments 2, 3
+    (run / "dump" / "step_000000.jsonl").write_text("".join(json.dumps(t) + "\n" for t in rows))
+    viewer.main([str(run)])
+    rollouts = Dom(browse(chromium, run / "viewer" / "step_000000.html", "#open=all")).find("details", "rollout")
+    assert [int(d["data-i"]) for d in rollouts] == [0, 2, 3, 1]
+    assert ["branch" in d["class"] for d in rollouts] == [False, True, True, False]
+    assert [("segment 1 of 3" in rollouts[0]["text"]), "segment 2 of 3" in rollouts[1]["text"],
+            "segment 3 of 3" in rollouts[2]["text"], "segment" in rollouts[3]["text"]] == [True, True, True, False]

@@ -24,6 +24,8 @@ done = subprocess.run([claude, "-p", row["prompt"], "--model", "policy", "--tool
                        "--system-prompt", "You are a coding agent. Run shell commands to do the task.",
                        "--no-session-persistence", "--settings", json.dumps({"attribution": {"commit": "", "pr": ""}})],
                       env=env, stdin=subprocess.DEVNULL, stdout=sys.stderr)   # its console output: stderr
+if row.get("task"):   # a Harbor task (--dataset examples/tasks): its tests/test.sh gives the reward
+    sys.exit(done.returncode)
 target = Path(row["label"]["file"])
 right = target.is_file() and target.read_text().strip() == row["label"]["content"]
 print(json.dumps({"reward": float(right), "info": {"claude_exit": done.returncode}}))
