@@ -11,7 +11,9 @@ and both are compared at the smaller run's cumulative sampled tokens, 80 steps e
     python main.py --agent bench/past_window.py --context window --context_turns 1 --max_len 40   # one run
 """
 
+import json
 import random
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -46,13 +48,23 @@ class PastWindow(Env):
 
 
 def success(steps: list[tuple], budget: float) -> float:
-    scores = [score for tokens, _, _, score in steps if tokens <= budget * 1.0001][-10:]
+    scores = [score for tokens, score in steps if tokens <= budget * 1.0001][-10:]
     return sum(scores) / max(len(scores), 1)
 
 
+def run(args: list[str], seed: int, out: Path) -> list[tuple]:
+    """(cumulative sampled tokens, score) per step of one main.py run."""
+    cmd = [sys.executable, "main.py", *args, "--seed", str(seed), "--output_dir", str(out), "--max_new_tokens", "2",
+           "--quiet", "--no_plot", "--export_hf", "none"]
+    print("+", " ".join(cmd[1:]), flush=True)
+    subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], check=True, stdout=subprocess.DEVNULL)
+    tokens = 0.0
+    for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()):
+        tokens += m["response_len"] * m["rollouts"]
+        yield tokens, m["score_mean"]
+
+
 def main():
-    sys.path.insert(0, str(Path(__file__).parent))
-    from turn_credit import run   # (cumulative sampled tokens, seconds, reward, score) per step of a main.py run
     seeds = range(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
     with tempfile.TemporaryDirectory() as tmp:
         runs = {(n, s): list(run(CONFIGS[n], s, Path(tmp) / f"{n}-{s}")) for s in seeds for n in CONFIGS}

@@ -2,7 +2,7 @@
 
     python -m pytest -q tests/test_layout.py
 
-docs/flags.md equals what docs/flags.py generates from argparse; README.md stays short enough to
+docs/flags.md equals what tests/flags_page.py generates from argparse; README.md stays short enough to
 read in ten minutes (details live in docs/); no code outside tests/ uses a top-level module's
 private (`_x`) names from another file, and the top-level modules' imports form no circle (what
 two modules share gets a module of its own, as trajectory.py is for agent.py and server.py)."""
@@ -18,7 +18,7 @@ README_BYTES = 20_000
 
 
 def _flags_script():
-    spec = importlib.util.spec_from_file_location("docs_flags", ROOT / "docs" / "flags.py")
+    spec = importlib.util.spec_from_file_location("docs_flags", ROOT / "tests" / "flags_page.py")
     flags = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(flags)
     return flags

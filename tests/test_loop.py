@@ -1,6 +1,7 @@
 """The real loop end to end: Ray + vLLM + FSDP2 trainer on the tiny model."""
 
 import json
+from pathlib import Path
 
 import psutil
 import pytest
@@ -351,7 +352,7 @@ def test_branching_rollouts_through_the_real_loop(tiny_model, tmp_path):
     rows that share their first turn's tokens, trained in one; branch_value trains on them."""
     dump = tmp_path / "dump"
     dump.mkdir()
-    main.main(["--model", tiny_model, "--agent", main.__file__.replace("main.py", "bench/turn_credit.py"),
+    main.main(["--model", tiny_model, "--agent", str(Path(__file__).parent / "larger_digit.py"),
                "--estimator", "branch_value", "--branches", "2", "--steps", "2", *SMALL, "--output_dir", str(tmp_path / "run"), "--export_hf", "none",
                "--no_plot", "--dump_rollouts", str(dump)])
     lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -1,7 +1,7 @@
 """Write docs/flags.md, the flag reference (one Markdown table per argument group), from main.build_parser().
 
-    python docs/flags.py              # print it
-    python docs/flags.py --write      # write docs/flags.md
+    python tests/flags_page.py              # print it
+    python tests/flags_page.py --write      # write docs/flags.md
 
 Regenerate it whenever a flag, its default or its help text changes, and when an estimator or a
 loss is added (the help texts list them). tests/test_layout.py fails while docs/flags.md is stale.
@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 import main  # noqa: E402
 
 PAGE = ROOT / "docs" / "flags.md"
-COMMAND = "python docs/flags.py --write"
+COMMAND = "python tests/flags_page.py --write"
 HEADER = (f"# Flag reference\n\nGenerated from `main.build_parser()` by `{COMMAND}`: do not edit it by hand.\n"
           "`python main.py --help` prints the same. Bad values and unsound combinations are refused before\n"
           "anything starts (`main.validate`), with a message that names the flag.\n\n")
