@@ -3,10 +3,10 @@
 `collate` pads token-exact trajectories (never re-tokenized) into tensors aligned to the
 predicted token; `split_rows` shares rows among ranks by tokens, groups kept together; `plan` is a
 rank's micro-batches of one optimizer step (--micro_batch_size or --micro_batch_tokens);
-`layout` is one micro-batch's inputs: padded (CP chunks), a group's common prompt once (--share_prefix)
+`layout` is one micro-batch's inputs: padded (CP chunks), a group's prefix tree once (--share_prefix)
 or packed (--packing), logits kept only where actions are; `scatter` puts the outputs back on the grid:
 
-    python -m pytest -q tests/test_parallel.py -k "micro or pack or split"
+    python -m pytest -q tests/test_parallel.py -k "micro or pack or split or share or tree"
 """
 
 import torch
@@ -117,21 +117,21 @@ def mini_batches(groups: torch.Tensor, n: int, generator: torch.Generator) -> li
     return list(torch.argsort(part[of], stable=True).split(load))
 
 
-def share_pays(prefix: int, suffixes: list[int], hidden: int) -> bool:
-    """Whether one row (the prefix once, then each suffix) costs less than a row each: it saves
-    (n-1) * prefix token passes (a decoder layer's ~24 hidden^2 flops each) and adds attention scores
-    ((prefix + all suffixes)^2 under a dense mask against sum (prefix + suffix)^2; ~4 hidden flops each)."""
-    extra = (prefix + sum(suffixes)) ** 2 - sum((prefix + s) ** 2 for s in suffixes)
-    return (len(suffixes) - 1) * prefix * 6 * hidden > extra
+def share_pays(lengths: list[int], owned: list[int], hidden: int) -> bool:
+    """Whether one row of a group's prefix tree (each row's tokens that no earlier row shares: `owned`) costs less
+    than a row each: it saves sum(lengths) - sum(owned) token passes (a decoder layer's ~24 hidden^2 flops each)
+    and adds attention scores (sum(owned)^2 under a dense mask against sum(lengths^2); ~4 hidden flops each)."""
+    extra = sum(owned) ** 2 - sum(n * n for n in lengths)
+    return (sum(lengths) - sum(owned)) * 6 * hidden > extra
 
 
 def layout(batch: dict, idx: torch.Tensor, packing: bool, cp: int, cp_rank: int, replay: bool,
            share: int = 0) -> dict:
     """Model inputs (on CPU) of the rows `idx`, the columns `keep` whose logits are needed (action tokens'), and
     `where` [b, T] that puts the [b', K] outputs back on the grid (1 + flat index, 0: none). padded: [b, Tm] rows
-    (Tm a multiple of cp), each CP rank a chunk. share (the hidden size; 0 = off): a group's rows that begin alike
-    make one row where `share_pays`: the prefix once, then each row's rest, attending to the prefix and itself,
-    positions continuing the prefix's. packed: all rows' segments in one [1, N] row (positions reset per sample)."""
+    (Tm a multiple of cp), each CP rank a chunk. share (the hidden size; 0 = off): a group's rows make one row, their
+    prefix tree, where `share_pays`: each row's span (the positions no earlier row shares) sees itself causally and
+    the spans that hold its earlier positions; positions as in the row. packed: every span in one [1, N] row."""
     L, T, n_rows = batch["lengths"][idx], batch["input_ids"].shape[1], len(idx)
     cols = torch.arange(T)
     own = cols[None, :] < L[:, None]
@@ -147,32 +147,33 @@ def layout(batch: dict, idx: torch.Tensor, packing: bool, cp: int, cp_rank: int,
         if cp > 1:
             inp["position_ids"] = src_t
     else:
-        rows, groups = [], batch["groups"][idx].tolist()                       # a row: [(rows j, t0, t1, parent)]
-        for g in dict.fromkeys(groups):
-            js = [j for j in range(n_rows) if groups[j] == g]
-            ids, tgt = batch["input_ids"][idx[js]], batch["targets"][idx[js]]   # positions computed alike for all:
-            same = ((ids == ids[:1]) & (tgt == tgt[:1])).all(0)[:int(L[js].min())]   # same tokens through the target
-            P = int(same.long().cumprod(0).sum()) if share and len(js) > 1 else 0
-            if P and share_pays(P, [int(L[j]) - P for j in js], share):
-                rows.append([(js, 0, P, -2)] + [([j], P, int(L[j]), 0) for j in js if L[j] > P])
-            else:
-                rows += [[([j], 0, int(L[j]), -2)] for j in js]
-        if packing:                                                            # one row; parents re-indexed
-            offsets = torch.tensor([0] + [len(r) for r in rows]).cumsum(0).tolist()
-            rows = [[(js, t0, t1, p if p < 0 else p + o) for js, t0, t1, p in r] for r, o in zip(rows, offsets)]
-            rows = [sum(rows, [])]
-        n = max(sum(t1 - t0 for _, t0, t1, _ in r) for r in rows)
+        owner = torch.arange(n_rows)[:, None].repeat(1, T)   # [b, T]: the row whose span [start, L) holds row j's t
+        start, groups = torch.zeros(n_rows, dtype=torch.long), batch["groups"][idx]
+        for g in groups.unique() if share else []:
+            js = (groups == g).nonzero()[:, 0]
+            ids, tgt, ok = batch["input_ids"][idx[js]], batch["targets"][idx[js]], own[js]
+            # rows j, k share position t iff their input ids through t and target t agree: lcp [g, g] positions
+            eq = (ids[:, None] == ids[None]) & (tgt[:, None] == tgt[None]) & ok[:, None] & ok[None]   # [g, g, T]
+            lcp = torch.nn.functional.pad(~eq, (0, 1), value=True).byte().argmax(-1)   # the first t not shared
+            shared = lcp.tril(-1).amax(1)                                      # row j's positions an earlier row has
+            if share_pays(L[js].tolist(), (L[js] - shared).tolist(), share):
+                first = (lcp[:, :, None] > cols).byte().argmax(1)              # [g, T]: the first row sharing t
+                owner[js], start[js] = torch.where(own[js], js[first], -1), shared
+        tree = owner[:, 0].tolist()                                            # a tree: the rows sharing position 0
+        rows = [[j for j in range(n_rows) if tree[j] == r] for r in dict.fromkeys(tree)]
+        rows = [sum(rows, [])] if packing else rows                           # a model row per tree, or one row
+        n = max(int((L[js] - start[js]).sum()) for js in rows)
         src_r, src_t = torch.zeros(len(rows), n, dtype=torch.long), torch.zeros(len(rows), n, dtype=torch.long)
-        seg, parent = torch.full((len(rows), n), -1), torch.full((len(rows), n), -3)
-        for r, segs in enumerate(rows):
-            c = 0
-            for s, (js, t0, t1, p) in enumerate(segs):
-                span = slice(c, c + t1 - t0)
-                src_r[r, span], src_t[r, span], seg[r, span], parent[r, span] = js[0], torch.arange(t0, t1), s, p
-                model_of[js, t0:t1] = torch.arange(r * n + c, r * n + c + t1 - t0)
+        for r, js in enumerate(rows):
+            c = r * n
+            for j, t0, t1 in zip(js, start[js].tolist(), L[js].tolist()):
+                src_r.view(-1)[c:c + t1 - t0], src_t.view(-1)[c:c + t1 - t0] = j, torch.arange(t0, t1)
+                model_of[j, t0:t1] = torch.arange(c, c + t1 - t0)
                 c += t1 - t0
-        # causal, and only within a segment or into its parent (padding: among itself)
-        see = (seg[:, :, None] == seg[:, None, :]) | (parent[:, :, None] == seg[:, None, :])
+        model_of = torch.where(own, model_of[owner, cols], -1)                 # a shared cell: its owner's position
+        # causal, and only where the key is the query's row's own token there (padding: row 0's position 0)
+        sees = owner[:, src_t] == src_r                                        # [b, R, n]: for a query of row j
+        see = sees.transpose(0, 1)[torch.arange(len(rows))[:, None], src_r]    # [R, n, n]
         inp.update(position_ids=src_t, attention_mask=(see & torch.ones(n, n, dtype=torch.bool).tril())[:, None])
     need = own & (batch["mask"][idx] > 0) & (model_of >= 0)
     keep = (model_of[need] % n).unique()

@@ -398,4 +398,59 @@ def test_layout_shares_a_groups_prompt_once():
         if "position_ids" in x["inputs"]:
             cols = torch.arange(8).expand(7, -1)
             assert torch.equal(x["inputs"]["position_ids"][:, keep].flatten()[w[need] - 1], cols[need])
-    assert batches.share_pays(40, [20] * 4, 576) and not batches.share_pays(100, [4000] * 16, 576)
+    assert batches.share_pays([60] * 4, [60, 20, 20, 20], 576)
+    assert not batches.share_pays([4100] * 16, [4100] + [4000] * 15, 576)
+
+
+def _branches(length, forks, group=0, n=8, first=0):
+    """n rows of `length` positions forking like --branches: forks [(positions shared, fan-out)]; the
+    first position after a fork differs between siblings (token: 1 + (7 t + 3 node) % 22, tiny vocab)."""
+    rows = []
+    for b in range(n):
+        width, tokens = 1, []
+        for i in range(length + 1):          # token i: input i, target i - 1
+            width *= next((f for d, f in forks if d + 1 == i), 1)
+            tokens.append(1 + (7 * i + 3 * (b // (n // width)) + first) % 22)
+        m = [0] * (length // 2) + [1] * (length + 1 - length // 2)
+        rows.append({"tokens": tokens, "mask": m, "logprobs": [-2.0] * len(m), "versions": [0] * len(m),
+                     "reward": float(b % 2), "group": group, "rollout_id": 100 * group + b})
+    return rows
+
+
+def test_layout_forwards_a_prefix_tree_once():
+    """8 branches sharing 80% of their positions forward 0.8 L + 8 x 0.2 L tokens (3.33x fewer); forking
+    again at 85% and 90% (pairs, then quads), 0.8 L + 2 x 0.05 L + 4 x 0.05 L + 8 x 0.1 L (4.2x fewer)."""
+    for forks, tokens in (([(80, 8)], 240), ([(80, 2), (85, 2), (90, 2)], 190)):
+        b = batches.collate(_branches(100, forks), 0)
+        for packing in (False, True):
+            x = batches.layout(b, torch.arange(8), packing, 1, 0, False, 64)
+            assert x["inputs"]["input_ids"].shape == (1, tokens), (forks, packing)
+        assert batches.layout(b, torch.arange(8), False, 1, 0, False, 0)["inputs"]["input_ids"].numel() == 800
+
+
+def test_prefix_tree_logprobs_and_gradient_equal_unshared(tiny_model):
+    """A real tree (8 branches forking at 3 depths, one of them also a row of its own prefix and a duplicate),
+    a group of rows that share nothing, a single row: logprobs and their gradient under the shared layout
+    (padded rows or packed) equal one row per row within 1e-5 (fp32)."""
+    import trainer
+    t = trainer.Trainer(_cfg(tiny_model))
+    tree = _branches(60, [(12, 2), (30, 2), (41, 2)])
+    trajs = tree + [{**tree[5], "tokens": tree[5]["tokens"][:36], "mask": tree[5]["mask"][:36]}, dict(tree[2])]
+    trajs = [{**r, **{k: r[k][:len(r["tokens"])] for k in ("logprobs", "versions")}} for r in trajs]
+    trajs += _branches(29, [(-1, 4)], group=1, n=4) + _branches(33, [], group=2, n=1, first=5)
+    b = batches.collate(trajs, t.pad_id)
+    idx, weights = torch.arange(len(trajs)), torch.randn(b["mask"].shape, generator=torch.Generator().manual_seed(0))
+    results = []
+    for share, packing in ((0, False), (t.share, False), (t.share, True)):
+        t.share, t.cfg["packing"] = share, packing
+        x = t._inputs(b, idx)
+        if packing:   # the tree 12 + 2 x 18 + 4 x 11 + 8 x 19 (its prefix row and duplicate: none), 4 x 29, 33
+            assert x["inputs"]["input_ids"].shape == (1, 244 + 116 + 33) and b["lengths"].sum() == 724
+        t.model.zero_grad()
+        lp = t._forward(t.model, x)[0]                                        # [b, T] on the grid
+        (lp * weights * b["mask"]).sum().backward()
+        results.append((lp * b["mask"], [p.grad.clone() for p in t.model.parameters()]))
+    for lp, grads in results[1:]:
+        torch.testing.assert_close(lp, results[0][0], atol=1e-5, rtol=0)
+        for g, g0 in zip(grads, results[0][1]):
+            torch.testing.assert_close(g, g0, atol=1e-5, rtol=1e-4)
