@@ -145,6 +145,7 @@ def batch_metrics(trajs: list[dict]) -> dict:
         "rollouts": len(rs),
         "segments_per_rollout": len(trajs) / len(rs),
         **{f"info/{k}": sum(v) / len(v) for k, v in info.items() if v},
+        **({"info/episode_tokens_max": max(info["episode_tokens"])} if info.get("episode_tokens") else {}),
     }
 
 

@@ -261,8 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(instead of --micro_batch_size rows; padded rows count at their longest)")
     g.add_argument("--packing", action="store_true", help="pack each micro-batch into one row (reset positions, "
                    "block-diagonal attention, no padding)")
-    g.add_argument("--share_prefix", action=argparse.BooleanOptionalAction, default=True, help="rows of a group that "
-                   "begin alike (the prompt) share those positions in the trainer's forward: computed once, exact")
+    g.add_argument("--share_prefix", action=argparse.BooleanOptionalAction, default=True, help="a group's rows as one prefix "
+                   "tree in the trainer's forward: each shared prefix (prompt, turns, branches) computed once, exact")
     g.add_argument("--activation_checkpointing", action="store_true", help="recompute each block in backward")
     g.add_argument("--offload", default="none", choices=["none", "optimizer"],
                    help="optimizer: parameters, gradients, optimizer state and step on CPU (FSDP2 CPUOffloadPolicy)")

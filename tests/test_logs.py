@@ -125,3 +125,13 @@ def test_info_means_leave_out_nan_and_inf():
     metrics = logs.batch_metrics(trajs)
     assert metrics["info/a"] == (1.0 + 3.0 + 0.0) / 3 and metrics["info/bad"] == 0.0   # the rollout without it
     assert "info/x" not in logs.batch_metrics([traj(0, {"x": float("nan")})])
+
+
+def test_the_longest_episode_is_logged_beside_the_mean():
+    """info/episode_tokens_max is the longest episode of the step (against --max_len), a rollout counted once however
+    many segments it has; a step with no rewritten episode logs neither."""
+    trajs = [{"group": 0, "rollout_id": r, "mask": [1], "reward": 0.0, "score": 0.0, "info": info}
+             for r, info in [(0, {"episode_tokens": 90.0}), (0, {}), (1, {"episode_tokens": 30.0}), (2, {})]]
+    metrics = logs.batch_metrics(trajs)
+    assert metrics["info/episode_tokens_max"] == 90.0 and metrics["info/episode_tokens"] == 40.0
+    assert "info/episode_tokens_max" not in logs.batch_metrics(trajs[3:])
