@@ -7,19 +7,16 @@ and takes new weights from the trainer without restarting:
     ids, logprobs  <- generate(prompt_ids, sampling)        # token-exact
     update_weights(blob, version)                           # pause, reload, resume
 
-Prompts go in as `TokensPrompt` ids and completions come back as ids with the
-logprob of each sampled token, so nothing is ever re-tokenized. For a
-vision-language model the prompt also carries its images (one pad token per
-image; vLLM expands it and returns the expanded ids: vision.py). Logprobs are
-vLLM's "processed" logprobs, log_softmax(logits / temperature), the same
-convention the trainer uses (`losses.token_logprobs`).
+Prompts go in as `TokensPrompt` ids and completions come back as ids with the logprob of each sampled token, so
+nothing is ever re-tokenized. For a vision-language model the prompt also carries its images (one pad token per image;
+vLLM expands it and returns the expanded ids: vision.py). Logprobs are vLLM's "processed" logprobs, log_softmax(logits
+/ temperature), the same convention the trainer uses (`losses.token_logprobs`).
 
 New weights come from the trainer by either path of `--weight_sync` (sync.py; the
 engine's worker extension `sync.WeightReceiver` reloads them in place).
 
-`Engines` is what the loop and the agents talk to: several `Generator` actors
-behind one client, sticky sessions (a rollout's turns go to one engine, so its
-prefix cache is reused), least-loaded routing, one weight update for all.
+`Engines` is what the loop and the agents talk to: several `Generator` actors behind one client, sticky sessions (a
+rollout's turns go to one engine, so its prefix cache is reused), least-loaded routing, one weight update for all.
 
 Run the engine alone:  python -c "import generator; generator.smoke('MODEL_DIR')"
 """
@@ -174,10 +171,9 @@ class Generator:
             raise RuntimeError("a LoRA engine's request before its first adapter is loaded (launch loads it first)")
 
     async def _generate(self, prompt_ids: list[int], sampling: dict, images: list | None, n: int) -> list[dict]:
-        """Sample n completions of one prompt. Each has
-        token_ids, logprobs and versions (one per token: the policy version that sampled
-        it), version (of the first token),
-        finish_reason and stop_reason (the stop string that ended it, else None).
+        """Sample n completions of one prompt. Each has token_ids, logprobs and versions (one per token: the policy
+        version that sampled it), version (of the first token), finish_reason and stop_reason (the stop string that
+        ended it, else None).
 
         `stop` strings end generation at the first sampled token that completes one;
         that token is the last of token_ids (vLLM keeps it and drops any after it).
@@ -237,12 +233,11 @@ class Generator:
         await self.engine.collective_rpc("molt_join_weight_sync", args=(host, port, first_rank, world))
 
     async def update_weights(self, blob: bytes | None, version: int) -> dict:
-        """Load new weights into the running engine: from `blob` (safetensors bytes), or, when `blob`
-        is None, from the trainer's broadcast. Returns the seconds taken and the engine parameters
-        the update did not cover (`missing`, per worker). Without partial rollout, in-flight requests
-        finish on the old weights first (pause mode "wait"): every request has one version. With it,
-        they are frozen ("keep"), their KV recomputed under the new weights on resume, and their
-        later tokens carry the new version."""
+        """Load new weights into the running engine: from `blob` (safetensors bytes), or, when `blob` is None, from
+        the trainer's broadcast. Returns the seconds taken and the engine parameters the update did not cover
+        (`missing`, per worker). Without partial rollout, in-flight requests finish on the old weights first (pause
+        mode "wait"): every request has one version. With it, they are frozen ("keep"), their KV recomputed under the
+        new weights on resume, and their later tokens carry the new version."""
         t0 = time.perf_counter()
         await self.engine.pause_generation(mode="keep" if self.partial_rollout else "wait", clear_cache=True)
         try:

@@ -1,24 +1,20 @@
 """Parallel layout of the trainer: process group, DeviceMesh, TP, EP, CP, FSDP2, routing replay.
 
-`ParallelDims` validates the degrees once and builds the `DeviceMesh` (dims
-"dp_shard", "cp", "tp"; "dp_cp" flattened for FSDP; a second view
-"efsdp" x "ep" x "tp" of the same ranks for MoE experts). `parallelize`
-applies, in torchtitan's order: TP plans -> EP experts -> activation
-checkpointing -> `fully_shard` per decoder block, then the root. On CPU the
-process group is gloo, on GPU nccl; the code path is the same.
+`ParallelDims` validates the degrees once and builds the `DeviceMesh` (dims "dp_shard", "cp", "tp"; "dp_cp" flattened
+for FSDP; a second view "efsdp" x "ep" x "tp" of the same ranks for MoE experts). `parallelize` applies, in
+torchtitan's order: TP plans -> EP experts -> activation checkpointing -> `fully_shard` per decoder block, then the
+root. On CPU the process group is gloo, on GPU nccl; the code path is the same.
 
-Placement on a Ray cluster (`reserve`, `in_bundle`, `node_facts`, `gpu_shares`): the
-trainer ranks and the engines live in placement groups of their own; `node_facts` asks a
-trainer bundle's node for its IP, a free port and what it sees of --output_dir (trainer.TrainerGroup);
-an engine counts its node's cores itself (generator.cpu_engine_env). `cpu_threads` says how many
-threads each trainer rank and each CPU engine computes with, from the cores of its node.
+Placement on a Ray cluster (`reserve`, `in_bundle`, `node_facts`, `gpu_shares`): the trainer ranks and the engines
+live in placement groups of their own; `node_facts` asks a trainer bundle's node for its IP, a free port and what it
+sees of --output_dir (trainer.TrainerGroup); an engine counts its node's cores itself (generator.cpu_engine_env).
+`cpu_threads` says how many threads each trainer rank and each CPU engine computes with, from the cores of its node.
 
 Under TP the LM head is vocab-parallel: `vocab_parallel_logprobs` scores each rank's slice of
 the vocabulary, so the full [B, T, V] logits never exist on one rank.
 
-Gradient reduction is a SUM over data ranks (divide factor 1): every
-micro-batch loss is already divided by the tokens of the whole optimizer step
-across all ranks, so summing gives exactly the single-process gradient.
+Gradient reduction is a SUM over data ranks (divide factor 1): every micro-batch loss is already divided by the tokens
+of the whole optimizer step across all ranks, so summing gives exactly the single-process gradient.
 
     dims = ParallelDims(world_size=4, tp=2); dims.build_mesh("cpu")
     model = parallelize(model, dims, param_dtype=torch.float32)
@@ -187,16 +183,15 @@ def cpu_threads(cores: int, trainers: int, engines: int, overlap: bool,
     """(torch threads of each trainer rank, OpenMP threads of each engine) on a CPU node of
     `cores` cores that holds `trainers` trainer ranks and `engines` engines.
 
-    On-policy (`overlap` False) the phases take turns: the engines sleep while the trainer trains
-    and the trainer waits while they generate, so the ranks share every core of the node, and the
-    engines every core but one: the driver and the engines' Ray actors, which feed them requests,
-    are busy in that same phase (beside them a second OpenMP thread of the default task's engine
-    spins, 60% more engine CPU, and gains nothing). Async (`overlap`) both compute at once: the
-    cores are split between the kinds in proportion to their numbers, at least one each, the
-    engines' part again less one core, so busy threads never outnumber the cores (OpenMP threads
-    spin after each parallel region: two processes with two threads each on two cores wait for
-    each other's preempted threads). `--train_threads` and `--engine_threads` override either
-    number. Counts, never timings: the same on every machine with these cores."""
+    On-policy (`overlap` False) the phases take turns: the engines sleep while the trainer trains and the trainer
+    waits while they generate, so the ranks share every core of the node, and the engines every core but one: the
+    driver and the engines' Ray actors, which feed them requests, are busy in that same phase (beside them a second
+    OpenMP thread of the default task's engine spins, 60% more engine CPU, and gains nothing). Async (`overlap`) both
+    compute at once: the cores are split between the kinds in proportion to their numbers, at least one each, the
+    engines' part again less one core, so busy threads never outnumber the cores (OpenMP threads spin after each
+    parallel region: two processes with two threads each on two cores wait for each other's preempted threads).
+    `--train_threads` and `--engine_threads` override either number. Counts, never timings: the same on every machine
+    with these cores."""
     def share(n: int, among: int) -> int:
         return max(1, n // max(among, 1))
     train_cores = cores
@@ -415,9 +410,8 @@ def moe_gates(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _gate_hook(gate, args, output):
-    """Record this gate's selection, or replace it by the recorded one. The router's logits
-    are recomputed either way, so the replayed scores (softmax at the replayed experts) still
-    train the router."""
+    """Record this gate's selection, or replace it by the recorded one. The router's logits are recomputed either way,
+    so the replayed scores (softmax at the replayed experts) still train the router."""
     logits, scores, indices = output
     if getattr(gate, "replay", None) is not None:
         indices = gate.replay.to(indices.device)                               # [n, k]

@@ -127,15 +127,13 @@ GAP_KEYS = ("gap_abs", "gap_k3", "gap_entropy", "gap_tokens")   # --old_logprobs
 class Trainer(sync.WeightSender, checkpoint.Checkpoints):
     """One trainer rank. `cfg` is the dict of main.py's flags.
 
-    Models: the policy (trained), a frozen reference (only when a KL term or on-policy distillation
-    needs one; `--ref_model` or the initial policy) and a critic (only for gae). All are parallelized
-    the same way (parallel.py).
+    Models: the policy (trained), a frozen reference (only when a KL term or on-policy distillation needs one;
+    `--ref_model` or the initial policy) and a critic (only for gae). All are parallelized the same way (parallel.py).
 
-    Every rank receives the WHOLE batch: it collates it, scores (old/ref logprobs, values) only its own
-    rows and all-reduces the scores, so advantages, the step's token counts and the metrics are global
-    and identical on every rank; then it trains on its own share of each mini-batch (rows split by
-    tokens across data ranks, the same number of micro-batches on every rank, empty ones padded with a
-    zero-weight row so collectives never deadlock)."""
+    Every rank receives the WHOLE batch: it collates it, scores (old/ref logprobs, values) only its own rows and
+    all-reduces the scores, so advantages, the step's token counts and the metrics are global and identical on every
+    rank; then it trains on its own share of each mini-batch (rows split by tokens across data ranks, the same number
+    of micro-batches on every rank, empty ones padded with a zero-weight row so collectives never deadlock)."""
 
     def __init__(self, cfg: dict, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1",
                  master_port: int = 0, node: tuple[int, int, bool] | None = None):

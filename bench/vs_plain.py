@@ -1,15 +1,13 @@
 """Our loop against a plain sequential RL trainer on the same machine, one run.
 
-The plain trainer is what a person writes first: each step, one batched
-`transformers.generate` of the step's prompts (sampling, with the sampled tokens'
-logprobs), the agent's reward, then a fixed training step of its own, as TRL's GRPOTrainer trains
-at its defaults (`plain_step`: group-normalized rewards, one forward and backward over the step's padded
-batch with logits only for the replies, token-level loss, the old logprobs from that same forward since each batch is used once; no KL),
-with the same peft adapter when --lora_rank is given (no Ray, no vLLM, no weight sync), at torch's
-default threads (every core), as a user runs it; `--plain_1thread` adds it at one thread. Ours is
-`main.py` with the same flags: Ray + vLLM + the FSDP2 trainer actor. Both use the same
-prompts, lengths, samples and optimizer settings; the ratios compare them, and only
-the ratios mean anything across machines.
+The plain trainer is what a person writes first: each step, one batched `transformers.generate` of the step's prompts
+(sampling, with the sampled tokens' logprobs), the agent's reward, then a fixed training step of its own, as TRL's
+GRPOTrainer trains at its defaults (`plain_step`: group-normalized rewards, one forward and backward over the step's
+padded batch with logits only for the replies, token-level loss, the old logprobs from that same forward since each
+batch is used once; no KL), with the same peft adapter when --lora_rank is given (no Ray, no vLLM, no weight sync), at
+torch's default threads (every core), as a user runs it; `--plain_1thread` adds it at one thread. Ours is `main.py`
+with the same flags: Ray + vLLM + the FSDP2 trainer actor. Both use the same prompts, lengths, samples and optimizer
+settings; the ratios compare them, and only the ratios mean anything across machines.
 
     python bench/vs_plain.py                       # default task, tiny model, 32 x 16
     python bench/vs_plain.py --workload smollm2    # SmolLM2-135M fp32, chain_sum, 8 x 4
@@ -18,13 +16,12 @@ the ratios mean anything across machines.
     python bench/vs_plain.py --ours async --extra=--train_threads=2   # another thread split
     python bench/vs_plain.py --lora 16 --ours sync   # also ours and plain with a rank-16 adapter: LoRA ratios
 
-Ours runs twice: on-policy (main.py's default, generation then training, like the plain
-loop) and async (`--async_depth 1 --partial_rollout`: the next step's rollouts generate
-while this one trains). Prints s/step (median after warm-up) with its phases, set-up time
-before step 1, the peak memory (PSS summed over the run's processes: shared pages counted
-once) with each kind of process's part of it at that peak, and the CPU seconds each
-kind of process spends per step after warm-up: their sum over the machine's cores is a floor
-under the step time that no overlap can go below.
+Ours runs twice: on-policy (main.py's default, generation then training, like the plain loop) and async
+(`--async_depth 1 --partial_rollout`: the next step's rollouts generate while this one trains). Prints s/step (median
+after warm-up) with its phases, set-up time before step 1, the peak memory (PSS summed over the run's processes:
+shared pages counted once) with each kind of process's part of it at that peak, and the CPU seconds each kind of
+process spends per step after warm-up: their sum over the machine's cores is a floor under the step time that no
+overlap can go below.
 """
 
 import argparse
@@ -60,13 +57,12 @@ KINDS = (("engine core", "VLLM::EngineCore"), ("engine actor", "ray::Generator")
 
 
 class Processes:
-    """Watches this process and all its descendants (Ray, engines, ranks): every 0.1 s the CPU
-    time each kind used (`cpu()`: seconds so far, by kind; a process that ended keeps what it
-    used), every 2 s their summed PSS (a shared page counts once, split among its sharers: RSS
-    would count Ray's shared-memory object store and shared libraries in every process), its
-    peak and what each kind held at that peak. The watcher runs in the driver beside ours: it
-    reads command lines and PSS (smaps_rollup, milliseconds for a large process) only every
-    2 s, so that it takes little of the driver's CPU."""
+    """Watches this process and all its descendants (Ray, engines, ranks): every 0.1 s the CPU time each kind used
+    (`cpu()`: seconds so far, by kind; a process that ended keeps what it used), every 2 s their summed PSS (a shared
+    page counts once, split among its sharers: RSS would count Ray's shared-memory object store and shared libraries
+    in every process), its peak and what each kind held at that peak. The watcher runs in the driver beside ours: it
+    reads command lines and PSS (smaps_rollup, milliseconds for a large process) only every 2 s, so that it takes
+    little of the driver's CPU."""
 
     def __init__(self):
         import psutil
