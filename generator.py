@@ -1,8 +1,7 @@
 """The rollout engines: vLLM, token ids in, token ids + sampling logprobs out.
 
-`Generator` wraps one `vllm.v1.engine.async_llm.AsyncLLM`. It runs as a Ray
-actor (`start_engines` below wraps it with `ray.remote`), serves many concurrent requests,
-and takes new weights from the trainer without restarting:
+`Generator` wraps one `vllm.v1.engine.async_llm.AsyncLLM`. It runs as a Ray actor (`start_engines` below wraps it with
+`ray.remote`), serves many concurrent requests, and takes new weights from the trainer without restarting:
 
     ids, logprobs  <- generate(prompt_ids, sampling)        # token-exact
     update_weights(blob, version)                           # pause, reload, resume
@@ -310,12 +309,11 @@ BATCH_WINDOW_S = 0.002  # requests that arrive this close together travel in one
 
 
 class Engines:
-    """The vLLM engine actors behind one client. A rollout gets a sticky `session()`:
-    all its turns go to one engine, so its prefix cache is reused; new sessions go
-    to the engine with the fewest tokens in flight. Requests to one engine within
-    BATCH_WINDOW_S go as one streaming Ray call (`Generator.generate_batch`), each
-    answered as soon as it finishes. Weight updates reach all, through Ray
-    (`broadcast=False`) or the trainer's broadcast group (`connect` first)."""
+    """The vLLM engine actors behind one client. A rollout gets a sticky `session()`: all its turns go to one engine,
+    so its prefix cache is reused; new sessions go to the engine with the fewest tokens in flight. Requests to one
+    engine within BATCH_WINDOW_S go as one streaming Ray call (`Generator.generate_batch`), each answered as soon as
+    it finishes. Weight updates reach all, through Ray (`broadcast=False`) or the trainer's broadcast group (`connect`
+    first)."""
 
     def __init__(self, actors: list, check_weight_sync: bool = False, broadcast: bool = False,
                  workers_per_engine: int = 1):

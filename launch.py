@@ -21,11 +21,11 @@ from unittest import mock
 import psutil
 import ray
 
-import agent as agents
 import evaluation
 import faults
 import logs
 import loop
+import programs
 from generator import start_engines
 from trainer import TrainerGroup
 
@@ -101,7 +101,7 @@ def run_tagged(cfg: dict) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     if not cfg["eval_only"]:  # an eval of a finished run must not replace the run's config
         (out / "config.json").write_text(json.dumps(cfg, indent=1, default=str))
-    agent_cls = agents.agent_class(cfg)
+    agent_cls = programs.agent_class(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg["model"])
     start = {"step": 0, "version": 0, "rows_started": 0}
     resume_from = logs.complete_checkpoints(out)[-1] if cfg["resume"] and logs.complete_checkpoints(out) else None

@@ -8,13 +8,11 @@
         log one JSON line of metrics
     export the final model, print a summary
 
-Agents run here, in the driver, as asyncio tasks; each rollout calls the
-generator actors for every turn (one sticky engine per rollout). With --async_depth 0 the loop is strictly
-on-policy: no group for step s+1 starts before the weights of step s are in
-the engine. With depth K, groups may start up to K policy versions early, and
-staleness is bounded where it matters, at consumption: a group whose oldest
-sampled token is more than K versions older than the policy it would train (a
-slow group, or a partial rollout's first tokens) is dropped (`dropped/stale`).
+Agents run here, in the driver, as asyncio tasks; each rollout calls the generator actors for every turn (one sticky
+engine per rollout). With --async_depth 0 the loop is strictly on-policy: no group for step s+1 starts before the
+weights of step s are in the engine. With depth K, groups may start up to K policy versions early, and staleness is
+bounded where it matters, at consumption: a group whose oldest sampled token is more than K versions older than the
+policy it would train (a slow group, or a partial rollout's first tokens) is dropped (`dropped/stale`).
 
 Start-up and shutdown are in launch.py, held-out evaluation in evaluation.py.
 
@@ -35,6 +33,7 @@ import data
 import evaluation
 import faults
 import logs
+import programs
 import trajectory
 from generator import Engines
 from server import ChatServer
@@ -133,11 +132,10 @@ class RolloutPool:
 
 
 async def collect(pool: RolloutPool, cfg: dict, version: int, first_step: bool, policy: int) -> list[dict]:
-    """Wait for --prompts_per_step usable groups to train policy version `policy`; empty (all
-    rollouts dropped), stale (a token more than --async_depth versions older than `policy`)
-    and, with --filter_groups, all-equal-reward groups are replaced by new ones from the pool.
-    Stops the run when the first step's first groups all fail, or --max_failed_groups fail in
-    a row. `version`: policy versions trained since this run (or resume) started."""
+    """Wait for --prompts_per_step usable groups to train policy version `policy`; empty (all rollouts dropped), stale
+    (a token more than --async_depth versions older than `policy`) and, with --filter_groups, all-equal-reward groups
+    are replaced by new ones from the pool. Stops the run when the first step's first groups all fail, or
+    --max_failed_groups fail in a row. `version`: policy versions trained since this run (or resume) started."""
     P, K = cfg["prompts_per_step"], cfg["async_depth"]
     groups, empty = [], 0
     pool.fill((version + K + 1) * P)
@@ -188,9 +186,8 @@ async def collect(pool: RolloutPool, cfg: dict, version: int, first_step: bool, 
 
 
 def resumed_rows(source, start: dict):
-    """(index, row) from the prompt source, from the loop state `start`: first the rows a checkpointed
-    run had started but not yet taken (in flight, or finished and waiting: lost with its process),
-    then those it never started."""
+    """(index, row) from the prompt source, from the loop state `start`: first the rows a checkpointed run had started
+    but not yet taken (in flight, or finished and waiting: lost with its process), then those it never started."""
     source, pending = iter(source), set(start.get("rows_pending", ()))
     head = [(i, row) for i, row in enumerate(itertools.islice(source, start["rows_started"])) if i in pending]
     return itertools.chain(head, zip(itertools.count(start["rows_started"]), source))
@@ -202,7 +199,7 @@ async def train(cfg: dict, engines: Engines | None, trainer, agent_cls: type, to
     out = Path(cfg["output_dir"])
     rows = resumed_rows(data.prompt_source(cfg, agent_cls), start)
     server = None
-    if engines is not None and issubclass(agent_cls, agents.Program):   # its command on an agent node, before rollouts
+    if engines is not None and issubclass(agent_cls, programs.Program):   # its command on an agent node, before rollouts
         await agent_cls.check_node()
     if engines is not None and issubclass(agent_cls, agents.ChatAgent):
         server = ChatServer(tool_parser=cfg["tool_parser"], reasoning_parser=cfg["reasoning_parser"],

@@ -77,10 +77,9 @@ def cispo(log_ratio: Tensor, logprobs: Tensor, A: Tensor, m: Tensor, lo: float,
 
 @dataclass(frozen=True)
 class Setting:
-    """A flag of an estimator's or a loss's own, declared in its registry entry (ESTIMATORS,
-    POLICY_LOSSES): main.py adds --NAME, main.validate checks the bounds and refuses the flag unless
-    the chosen entry declares it, and only that entry's function gets it, as a keyword. Entries that
-    declare the same name share one Setting."""
+    """A flag of an estimator's or a loss's own, declared in its registry entry (ESTIMATORS, POLICY_LOSSES): main.py
+    adds --NAME, main.validate checks the bounds and refuses the flag unless the chosen entry declares it, and only
+    that entry's function gets it, as a keyword. Entries that declare the same name share one Setting."""
     default: Any                 # None: off unless given
     help: str
     type: type = float
@@ -188,10 +187,9 @@ def aggregate(per_token_loss: Tensor, mask: Tensor, mode: str = "token_mean",
 @torch.no_grad()
 def is_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, *,
                level: str, mode: str, low: float, high: float) -> tuple[Tensor, dict[str, Tensor]]:
-    """Train/rollout mismatch importance weights [B, T] (detached) and metrics; levels and modes as in
-    the README's IS table (off: weights = mask). ratio = exp(old_logprobs - rollout_logprobs), trainer
-    over sampler. is_filtered_frac: the share of action tokens whose weight is not their ratio
-    (zeroed by the gate, or bounded)."""
+    """Train/rollout mismatch importance weights [B, T] (detached) and metrics; levels and modes as in the README's IS
+    table (off: weights = mask). ratio = exp(old_logprobs - rollout_logprobs), trainer over sampler. is_filtered_frac:
+    the share of action tokens whose weight is not their ratio (zeroed by the gate, or bounded)."""
     for name, value, choices in (("level", level, IS_LEVELS), ("mode", mode, IS_MODES)):
         if value not in choices:
             raise ValueError(f"unknown IS {name} {value!r}; choices: {choices}")

@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "sandboxed --agent_cmd program gets: VALUE, or its value here (repeatable)")
     g.add_argument("--mcp_server", action="append", default=None, metavar='"CMD ARGS"', help="an MCP server (stdio) "
                    "whose tools the run's agent offers and calls (repeatable; started per rollout; needs --dataset; "
-                   "--agent may name a subclass of agent.MCPAgent for its reward; docs/programs.md)")
+                   "--agent may name a subclass of programs.MCPAgent for its reward; docs/programs.md)")
     g.add_argument("--tool_parser", default="hermes", help="vLLM's tool-call parser of the policy's format (as its "
                    "--tool-call-parser: hermes for <tool_call>{json}</tool_call>, llama3_json, mistral, qwen3_xml, ...)")
     g.add_argument("--reasoning_parser", default=None, help="vLLM's reasoning parser (deepseek_r1, qwen3, ...): "
@@ -538,11 +538,12 @@ def validate(cfg: dict) -> dict:
     need(bool(tokenizer.chat_template), f"--model {cfg['model']}: the tokenizer has no chat template; agents "
          "render prompts with it (add one to tokenizer_config.json or chat_template.jinja)")
     import agent as agents
-    agent_cls = agents.agent_class(cfg)
+    import programs
+    agent_cls = programs.agent_class(cfg)
     if cfg["agent_cmd"] is not None and cfg["program_sandbox"] == "off":
         print("--program_sandbox off: each program runs as this user, with this environment and network", file=sys.stderr)
     if cfg["mcp_server"]:   # started once and their tools listed, here: one that cannot start is named before Ray
-        agents.check_mcp_servers(agent_cls.servers, cfg["agent_timeout"])
+        programs.check_mcp_servers(agent_cls.servers, cfg["agent_timeout"])
     need(cfg["branches"] == 1 or issubclass(agent_cls, agents.Env), f"--branches {cfg['branches']}: "
          f"{agent_cls.__name__} is not an Env; only an Env's state is the framework's to copy (a ChatAgent or a "
          "program runs its own loop), so it cannot branch: drop --branches")

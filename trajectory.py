@@ -10,10 +10,9 @@ Both ways an agent runs use this layer: `run_env` and `run_chat_agent` (agent.py
     text = decode_reply(tokenizer, out["token_ids"])                # what the agent reads; never re-encoded
     traj.add(delta_ids(tokenizer, messages, out["token_ids"], new), False)   # the next turn appends
 
-`Trajectory` holds the ids the engine saw and sampled, a mask of the sampled ones, their
-sampling logprobs and policy versions; `delta_ids` raises `PrefixRewrite` when the template
-re-renders earlier turns (an Env cannot continue; a ChatAgent starts a new segment), and
-`sample` raises `DropRollout` for a rollout that cannot be trained on.
+`Trajectory` holds the ids the engine saw and sampled, a mask of the sampled ones, their sampling logprobs and policy
+versions; `delta_ids` raises `PrefixRewrite` when the template re-renders earlier turns (an Env cannot continue; a
+ChatAgent starts a new segment), and `sample` raises `DropRollout` for a rollout that cannot be trained on.
 """
 
 import functools

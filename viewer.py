@@ -4,16 +4,15 @@
     python viewer.py runs/latest                          # -> runs/latest/viewer/index.html
     python viewer.py runs/latest --out /tmp/v --tokenizer PATH
 
-It reads what the run wrote: metrics.jsonl, config.json and the --dump_rollouts folder (each line a
-trained trajectory with its per-token advantages and trainer logprobs, or a dropped rollout with
-its reason). index.html shows the metric curves, each step's reward distribution, best and worst
-rollouts, the first and last step's rollouts of one prompt side by side, and the dropped rollouts;
-step_NNNNNN.html shows one step's rollouts as conversations whose sampled tokens are coloured by
-advantage, sampling logprob, train/sample mismatch or policy version (hover: the values). A page
-carries its data as JSON and fills a rollout in when it is opened, so large steps stay fast. No
-network: the CSS and JS (assets/viewer.css, assets/viewer.js) are inlined.
-Optional fields, shown when present: `turn_rewards` and `finish_reasons` (per turn), `turns` (each token's turn),
-`parent` (the rollout id a branch continues) and `branch_turn` (where; else the shared token prefix).
+It reads what the run wrote: metrics.jsonl, config.json and the --dump_rollouts folder (each line a trained trajectory
+with its per-token advantages and trainer logprobs, or a dropped rollout with its reason). index.html shows the metric
+curves, each step's reward distribution, best and worst rollouts, the first and last step's rollouts of one prompt
+side by side, and the dropped rollouts; step_NNNNNN.html shows one step's rollouts as conversations whose sampled
+tokens are coloured by advantage, sampling logprob, train/sample mismatch or policy version (hover: the values). A
+page carries its data as JSON and fills a rollout in when it is opened, so large steps stay fast. No network: the CSS
+and JS (assets/viewer.css, assets/viewer.js) are inlined. Optional fields, shown when present: `turn_rewards` and
+`finish_reasons` (per turn), `turns` (each token's turn), `parent` (the rollout id a branch continues) and
+`branch_turn` (where; else the shared token prefix).
 """
 
 import argparse

@@ -1,11 +1,10 @@
 """Vision-language policies: the one image-token convention, image inputs, and a tiny offline Qwen2.5-VL.
 
-The convention (docs/vision.md): the engine gets ONE `<|image_pad|>` per image (between
-`<|vision_start|>` and `<|vision_end|>`) and the images beside the ids; vLLM expands each pad to the
-image's patch-group count. Trajectories and the trainer hold the EXPANDED ids (what vLLM returns and
-the HF processor produces), and the trainer gets pixel inputs from the same images (`mm_forward_kwargs`).
-`collapse_image_pads` turns stored ids back into engine ids for the next turn: vLLM would silently
-expand already-expanded pads again, so never skip it.
+The convention (docs/vision.md): the engine gets ONE `<|image_pad|>` per image (between `<|vision_start|>` and
+`<|vision_end|>`) and the images beside the ids; vLLM expands each pad to the image's patch-group count. Trajectories
+and the trainer hold the EXPANDED ids (what vLLM returns and the HF processor produces), and the trainer gets pixel
+inputs from the same images (`mm_forward_kwargs`). `collapse_image_pads` turns stored ids back into engine ids for the
+next turn: vLLM would silently expand already-expanded pads again, so never skip it.
 
     python -c "import vision; vision.build_tiny_vlm('/tmp/tiny-vlm')"   # the tiny model
     python -m pytest -q tests/test_vision.py                            # vLLM vs transformers

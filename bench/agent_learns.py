@@ -1,17 +1,15 @@
 """An agent that learns, end to end: SmolLM2-135M-Instruct and a Python tool on 3-digit products.
 
-Runs examples/recipes/smollm2_tool.sh as it is: `--eval_only` on the initial model, the
-training run, `--eval_only` on the final model, and the no-tool ablation (the final model
-answering the same held-out problems without the tool, in one turn). All evaluations
-use the recipe's sampling. Leaves in runs/agent_learns/: the learning curve
-(learning_curve.png: train reward, tool-use rate, held-out success), every step's rollouts in
-the rollout viewer (viewer/index.html: conversations token by token, coloured by advantage,
-per-turn rewards and branches where the run records them) and results.json. Ends with the line
+Runs examples/recipes/smollm2_tool.sh as it is: `--eval_only` on the initial model, the training run, `--eval_only` on
+the final model, and the no-tool ablation (the final model answering the same held-out problems without the tool, in
+one turn). All evaluations use the recipe's sampling. Leaves in runs/agent_learns/: the learning curve
+(learning_curve.png: train reward, tool-use rate, held-out success), every step's rollouts in the rollout viewer
+(viewer/index.html: conversations token by token, coloured by advantage, per-turn rewards and branches where the run
+records them) and results.json. Ends with the line
 
     held-out success: A% -> B% (no tool: C%), tool then answer: D% -> E%, N min
 
-where "tool then answer" is the share of held-out episodes that ran code and then gave
-the right answer.
+where "tool then answer" is the share of held-out episodes that ran code and then gave the right answer.
 
     python bench/agent_learns.py            # no arguments; ~25 min on 2 CPU cores
 """

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import agent as agents
+import programs
 from fakes import Recorder, check_token_exact, fake
 
 PROGRAMS = Path(__file__).resolve().parents[1] / "examples" / "programs"
@@ -30,7 +31,7 @@ def command(name: str) -> str:
 
 
 def rollout(name: str, generate, tokenizer, server, timeout: float, max_tokens: int):
-    return agents.run_chat_agent(agents.program(command(name), timeout)(), TASK, generate, tokenizer, server,
+    return agents.run_chat_agent(programs.program(command(name), timeout)(), TASK, generate, tokenizer, server,
                                  sampling={"temperature": 1.0, "max_tokens": max_tokens}, max_len=8192)
 
 
@@ -64,7 +65,7 @@ def test_cli_on_a_harbor_task_is_scored_by_the_tasks_tests(name, server, loop):
     tok, (tool, arg) = smol_tokenizer(), CLIS[name][2:4]
     rec = fake(tok, ['<tool_call>{{"name": "{}", "arguments": {{"{}": "echo Hello, world! > hello.txt"}}}}</tool_call>'
                      .format(tool, arg), "Done."])
-    segs = loop.run_until_complete(agents.run_chat_agent(agents.program(command(name), 120)(), row_of("hello-file"),
+    segs = loop.run_until_complete(agents.run_chat_agent(programs.program(command(name), 120)(), row_of("hello-file"),
                                                          rec, tok, server, sampling={"max_tokens": 64}, max_len=8192))
     assert len(rec.calls) == 2 and segs[0].reward == 1.0
     check_token_exact(segs, rec.calls)

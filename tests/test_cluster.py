@@ -25,6 +25,7 @@ import pytest
 import agent as agents
 import generator
 import parallel
+import programs
 import trainer
 from fakes import check_token_exact, fake
 from test_programs import PROGRAMS, rows, wait_gone
@@ -256,7 +257,7 @@ def test_a_program_on_another_node_trains_needs_its_key_and_ends_with_its_rollou
     ends the program and its group on its node (the Ray task is cancelled: it kills the group)."""
     import ray
     from server import ChatServer
-    root = Path(__file__).resolve().parents[1]   # the task's worker imports agent.py
+    root = Path(__file__).resolve().parents[1]   # the task's worker imports programs.py
     ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": str(root)}})
     loop, sampling = asyncio.new_event_loop(), {"temperature": 1.0, "max_tokens": 4}
     server = ChatServer(host=ray.util.get_node_ip_address())   # what launch.run_tagged picks for --agent_resources
@@ -264,7 +265,7 @@ def test_a_program_on_another_node_trains_needs_its_key_and_ends_with_its_rollou
         loop.run_until_complete(server.start())
         prog = tmp_path / "remote.py"
         prog.write_text(PROGRAM)
-        remote = agents.program(f"{sys.executable} {prog}", 60, {"agent_node": 1}, confined=False)   # tries other URLs
+        remote = programs.program(f"{sys.executable} {prog}", 60, {"agent_node": 1}, confined=False)   # tries other URLs
         other = server.open_session(fake(tiny_tokenizer, []), tiny_tokenizer, sampling=sampling, max_len=128)
         row = {"prompt": "1?2=", "label": None, "other_key": other.key, "other_url": other.base_url,
                "report": str(tmp_path / "report.json")}

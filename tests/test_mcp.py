@@ -1,5 +1,5 @@
 """Tools from MCP servers (--mcp_server): the project's calculator server (tests/mcp_calculator.py) run for real
-over stdio, its tools offered through the chat server and its calls run by `agent.MCPAgent`.
+over stdio, its tools offered through the chat server and its calls run by `programs.MCPAgent`.
 
 The tool round trip runs on SmolLM2's ChatML template (vLLM's hermes parser reads the call) with a fake engine that
 samples a scripted call; the tiny model cannot write one, so the real-engine test checks the rest: the tools in the
@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 import agent as agents
+import programs
 from _smollm import smol_tokenizer
 from fakes import Recorder, check_token_exact, fake
 from trajectory import DropRollout
@@ -35,7 +36,7 @@ def run(cls, row, generate, tokenizer, server, loop, max_len=2048, sampling=SAMP
 
 
 def mcp_agent(cmd: str = CALC, max_turns: int | None = None) -> type:
-    return agents.agent_class({"mcp_server": [cmd], "agent": None, "max_turns": max_turns})
+    return programs.agent_class({"mcp_server": [cmd], "agent": None, "max_turns": max_turns})
 
 
 def servers() -> list[psutil.Process]:
@@ -64,13 +65,13 @@ def engine(tiny_model, loop):
 def test_calculator_tools_are_listed_as_openai_schemas_and_called():
     async def go():
         async with contextlib.AsyncExitStack() as stack:
-            tools = await agents.mcp_tools([CALC.split()], stack)
+            tools = await programs.mcp_tools([CALC.split()], stack)
             assert [t[3]["function"]["name"] for t in tools.values()] == ["add", "divide"]
             assert tools["add"][3] == {"type": "function", "function": {
                 "name": "add", "description": "Add two integers.", "parameters": {
                     "type": "object", "title": "addArguments", "required": ["a", "b"],
                     "properties": {"a": {"title": "A", "type": "integer"}, "b": {"title": "B", "type": "integer"}}}}}
-            return [await agents.call_mcp_tool(tools, *c) for c in (("add", '{"a": 2, "b": 40}'),
+            return [await programs.call_mcp_tool(tools, *c) for c in (("add", '{"a": 2, "b": 40}'),
                     ("divide", '{"a": 1, "b": 4}'), ("divide", '{"a": 1, "b": 0}'), ("nope", "{}"), ("add", '{"a": "x"}'))]
     add, quarter, div, unknown, bad = asyncio.run(go())
     assert add == ("42", False) and quarter == ("0.25", False)
@@ -92,7 +93,7 @@ def test_each_rollout_s_servers_run_in_a_fresh_folder_of_their_own(tmp_path, mon
 
     async def rollout(text: str) -> str:
         async with contextlib.AsyncExitStack() as stack:
-            return (await agents.call_mcp_tool(await agents.mcp_tools(servers, stack), "remember",
+            return (await programs.call_mcp_tool(await programs.mcp_tools(servers, stack), "remember",
                                                json.dumps({"text": text})))[0]
     seen = [asyncio.run(rollout(text)).split(" ") for text in ("first", "second")]
     assert [held for _, held in seen] == ["", ""], seen   # the second rollout does not see the first's memo
@@ -201,7 +202,7 @@ def test_mcp_server_flags_are_checked_before_anything_starts(tmp_path, tiny_mode
                         (["--mcp_server", " "], "--mcp_server is empty"), (["--mcp_server", crash], "no such config\n--mcp_server"),
                         (["--mcp_server", CALC, "--mcp_server", CALC], "two servers have a tool named 'add'"),
                         (["--mcp_server", CALC, "--agent_cmd", "true"], "choose one"),
-                        (["--mcp_server", CALC, "--agent", digit], "must subclass agent.MCPAgent"),
+                        (["--mcp_server", CALC, "--agent", digit], "must subclass programs.MCPAgent"),
                         (["--mcp_server", CALC, "--max_turns", "0"], "--max_turns must be >= 1")):
         with pytest.raises(SystemExit):
             main.main([*base, *argv])

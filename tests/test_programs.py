@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import agent as agents
+import programs
 from fakes import Recorder, check_token_exact, fake
 from trajectory import DropRollout
 
@@ -32,10 +33,10 @@ def rows(n: int, seed: int = 0) -> list[dict]:
 
 def run_program(cmd: str, row: dict, generate, tokenizer, server, loop, timeout: float = 60.0, max_len: int = 128,
                 **options):
-    """One rollout of `cmd` (`options`: agent.program's); `confined=False` for the contract's tests that look at it
+    """One rollout of `cmd` (`options`: programs.program's); `confined=False` for the contract's tests that look at it
     from this side (its pids, files it writes here): the sandbox's own tests are tests/test_sandbox.py."""
     sampling = SAMPLING if max_len <= 128 else {**SAMPLING, "max_tokens": 64}
-    return loop.run_until_complete(agents.run_chat_agent(agents.program(cmd, timeout, **options)(), row,
+    return loop.run_until_complete(agents.run_chat_agent(programs.program(cmd, timeout, **options)(), row,
                                                          generate, tokenizer, server, sampling=sampling, max_len=max_len))
 
 
@@ -57,7 +58,7 @@ def test_harnesses_train_token_exactly(name, engine, server, loop, tiny_tokenize
     recs = [Recorder(engine.generate) for _ in batch]
 
     async def all_of_them():
-        return await asyncio.gather(*[agents.run_chat_agent(agents.program(cmd, 60)(), row, rec, tiny_tokenizer,
+        return await asyncio.gather(*[agents.run_chat_agent(programs.program(cmd, 60)(), row, rec, tiny_tokenizer,
                                                             server, sampling=SAMPLING, max_len=128)
                                       for row, rec in zip(batch, recs)])
     for row, rec, segs in zip(batch, recs, loop.run_until_complete(all_of_them())):
@@ -112,7 +113,7 @@ def test_mini_swe_agent_trains_token_exactly_on_smollm2(server, loop, monkeypatc
     try:
         rec = Recorder(gen.generate)
         segs = loop.run_until_complete(agents.run_chat_agent(
-            agents.program(MINI, 240, env=["MINI_STEPS"])(), TASK, rec, tok, server, sampling={"temperature": 1.0, "max_tokens": 48},
+            programs.program(MINI, 240, env=["MINI_STEPS"])(), TASK, rec, tok, server, sampling={"temperature": 1.0, "max_tokens": 48},
             max_len=4096))
     finally:
         gen.shutdown()
@@ -225,7 +226,7 @@ def test_a_hanging_or_flooding_program_is_killed_with_its_whole_group(tmp_path, 
     assert e.value.reason == "timeout" and "waiting" in str(e.value) and time.monotonic() - t0 < 30
     for pid in map(int, pids.read_text().split()):
         wait_gone(pid, 5)
-    monkeypatch.setattr(agents, "MAX_OUTPUT", 2**20)
+    monkeypatch.setattr(programs, "MAX_OUTPUT", 2**20)
     flood = script(tmp_path, "flood", "while True:\n    sys.stdout.write('x' * 4096 + '\\n')\n")
     with pytest.raises(DropRollout) as e:
         run_program(flood, {"prompt": "1"}, fake(tiny_tokenizer, []), tiny_tokenizer, server, loop, timeout=60)
@@ -246,7 +247,7 @@ def test_a_remote_program_s_failure_is_its_rollout_s_drop_not_the_run_s_end(tmp_
             return fake(tiny_tokenizer, ["7"])
         is_engine_error = staticmethod(Engines.is_engine_error)
     ray.init(address="local", num_cpus=1, resources={"agent_node": 1}, include_dashboard=False,   # never a stale
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})   # ray_current_cluster's; its worker imports agent.py
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})   # ray_current_cluster's; its worker imports programs.py
     registered, remote = [], ray.remote
     monkeypatch.setattr(ray, "remote", lambda *a, **k: registered.append(a) or remote(*a, **k))
     cfg = {"model": tiny_model, "max_len": 128, "agent_timeout": 60, "temperature": 1.0, "top_p": 1.0,
@@ -256,15 +257,15 @@ def test_a_remote_program_s_failure_is_its_rollout_s_drop_not_the_run_s_end(tmp_
     try:
         for cmd, drops, said in (("no-such-program-xyz --x", {"exit": 1}, "FileNotFoundError: [Errno 2] No such file"),
                                  (killer, {"node": 1}, "its Ray task failed: WorkerCrashedError"), (good, {}, "")):
-            pool = RolloutPool(cfg, agents.program(cmd, 60, {"agent_node": 0.5}, confined=False), iter([]), Engine(),
+            pool = RolloutPool(cfg, programs.program(cmd, 60, {"agent_node": 0.5}, confined=False), iter([]), Engine(),
                                tiny_tokenizer, server)
             segments = loop.run_until_complete(pool._rollout(0, {"prompt": "1?2="}))
             assert pool.drops == drops and said in pool.last_failure, (cmd, pool.drops, pool.last_failure)
             assert len(segments) == (not drops) and "Traceback" not in pool.last_failure
         assert len(registered) <= 1, registered   # at most the first rollout's
         with pytest.raises(ValueError, match="'no-such-program-xyz' is not an executable file on PATH of the node"):
-            loop.run_until_complete(agents.program("no-such-program-xyz", 60, {"agent_node": 0.5}).check_node())
-        loop.run_until_complete(agents.program(good, 60, {"agent_node": 0.5}).check_node())
+            loop.run_until_complete(programs.program("no-such-program-xyz", 60, {"agent_node": 0.5}).check_node())
+        loop.run_until_complete(programs.program(good, 60, {"agent_node": 0.5}).check_node())
     finally:
         ray.shutdown()
 

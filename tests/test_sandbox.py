@@ -1,5 +1,5 @@
 """The program sandbox (sandbox.py, --program_sandbox on: the default): what a reward-seeking program, run through
-the real agent.py and server.py (a fake engine), can no longer do. Each case is one a red-team did on the unconfined
+the real programs.py and server.py (a fake engine), can no longer do. Each case is one a red-team did on the unconfined
 programs (issue 47): write into the project checkout, read the driver's secrets, read another process's key from
 /proc/*/environ, leave setsid or `env -i` children behind (after its rollout, or after kill -9 of the driver),
 reach anything on the network but its own server."""
@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 import agent as agents
+import programs
 import sandbox
 from fakes import check_token_exact, fake
 
@@ -91,7 +92,7 @@ def test_a_sandboxed_program_cannot_escape_its_rollout(tmp_path, server, loop, t
     try:
         rec = fake(tiny_tokenizer, ["7"])
         segs = loop.run_until_complete(agents.run_chat_agent(
-            agents.program(f"{sys.executable} {program}", 60, env=["MOLT_TEST_PASSED"])(), row, rec, tiny_tokenizer,
+            programs.program(f"{sys.executable} {program}", 60, env=["MOLT_TEST_PASSED"])(), row, rec, tiny_tokenizer,
             server, sampling={"temperature": 1.0, "max_tokens": 4}, max_len=128))
         left = survivors(marker, 10)
     finally:
@@ -116,11 +117,11 @@ def test_a_sandboxed_program_cannot_escape_its_rollout(tmp_path, server, loop, t
 DRIVER = textwrap.dedent("""\
     import asyncio, sys
     sys.path.insert(0, sys.argv[1])
-    import agent
+    import programs
     program = ["sh", "-c", f"setsid sleep 300 & env -i setsid {sys.executable} -c 'import time; time.sleep(300)' "
                f"{sys.argv[2]} & exec {sys.executable} -c 'import time; time.sleep(300)' {sys.argv[2]}"]
     env = {"OPENAI_BASE_URL": "http://127.0.0.1:9/v1", "OPENAI_API_KEY": "k"}
-    asyncio.run(agent.run_process(program, {}, env, 300))
+    asyncio.run(programs.run_process(program, {}, env, 300))
 """)
 
 
@@ -145,7 +146,7 @@ def test_kill_9_of_the_driver_ends_its_sandboxes_and_the_next_start_up_its_folde
         drivers[killed].wait()
         assert not survivors(killed, 10) and marked(live)
         assert len(set(tmp.iterdir()) - kept) == 1   # the killed driver's folder, left
-        subprocess.run([sys.executable, "-c", "import agent; agent.check_sandbox()"], cwd=ROOT, env=env, check=True)
+        subprocess.run([sys.executable, "-c", "import programs; programs.check_sandbox()"], cwd=ROOT, env=env, check=True)
         assert set(tmp.iterdir()) == kept   # the next start-up removed it (and its own), not the live one's
     finally:
         for driver in drivers.values():
@@ -158,15 +159,15 @@ def test_kill_9_of_the_driver_ends_its_sandboxes_and_the_next_start_up_its_folde
 def test_sandbox_flags_fail_fast(tmp_path, tiny_model, capsys, monkeypatch):
     import main
     with pytest.raises(ValueError, match="--program_env MOLT_NOT_SET: not set here"):
-        agents.program("true", 10, env=["MOLT_NOT_SET"])
-    assert agents.program("true", 10, env=["A=b=c"]).env == {"A": "b=c"}
+        programs.program("true", 10, env=["MOLT_NOT_SET"])
+    assert programs.program("true", 10, env=["A=b=c"]).env == {"A": "b=c"}
     monkeypatch.chdir(ROOT)   # a file named from here is found from the program's own folder too
-    assert agents.program("python examples/programs/running_max.py", 10).argv == [
+    assert programs.program("python examples/programs/running_max.py", 10).argv == [
         "python", str(ROOT / "examples" / "programs" / "running_max.py")]
     monkeypatch.setattr(sandbox, "bwrap", lambda: "/no/such/bwrap")
     with pytest.raises(ValueError, match="--program_sandbox on: .*no/such/bwrap"):
-        agents.program("true", 10)
-    agents.program("true", 10, confined=False)   # off: nothing to check
+        programs.program("true", 10)
+    programs.program("true", 10, confined=False)   # off: nothing to check
     data = tmp_path / "rows.jsonl"
     data.write_text('{"prompt": "1"}\n')
     main.validate(vars(main.build_parser().parse_args(["--model", tiny_model, "--dataset", str(data), "--agent_cmd",

@@ -12,6 +12,7 @@ import pytest
 
 import agent as agents
 import data
+import programs
 import tasks
 from fakes import check_token_exact, fake
 
@@ -31,7 +32,7 @@ def test_each_example_task_scores_its_oracle_1_and_a_null_agent_0(name, tmp_path
     oracle = tmp_path / "solve.sh"   # the task's own copy is hidden from its agents
     shutil.copy(EXAMPLES / name / "solution" / "solve.sh", oracle)
     for argv, want in ((["bash", str(oracle)], 1.0), (["true"], 0.0)):
-        out, err, failed, verdict = asyncio.run(agents.run_process(argv, row, ENV, 60))
+        out, err, failed, verdict = asyncio.run(programs.run_process(argv, row, ENV, 60))
         assert (failed, verdict) == (None, want), (argv, err.tail)
 
 
@@ -46,7 +47,7 @@ echo '{{"reward": 1}}'
 def test_the_agent_sees_no_tests_or_solutions_and_cannot_write_the_reward(tmp_path):
     cheat = tmp_path / "cheat.sh"
     cheat.write_text(CHEAT.format(tasks=EXAMPLES))
-    out, err, failed, verdict = asyncio.run(agents.run_process(["bash", str(cheat)], row_of("hello-file"), ENV, 60))
+    out, err, failed, verdict = asyncio.run(programs.run_process(["bash", str(cheat)], row_of("hello-file"), ENV, 60))
     assert failed is None and verdict == 0.0   # the verifier's, not the program's reward line
     assert b"SAW-" not in out.tail and b"WROTE-REWARD" not in out.tail, out.tail
 
@@ -88,7 +89,7 @@ def test_tasks_that_need_an_image_build_are_refused_naming_the_line(tmp_path):
         "/srv/work", {"GREETING": "hi"}, {"TOKEN": "the tests'"}, {"agent": 10.0, "verifier": 0.0})
     probe = tmp_path / "probe.sh"   # the agent: its WORKDIR with the task's files, its ENV, not the verifier's
     probe.write_text('[ "$PWD" = /srv/work ] && [ -f data.txt ] && [ "$GREETING" = hi ] && [ -z "$TOKEN" ] || exit 3\n')
-    out, err, failed, verdict = asyncio.run(agents.run_process(["bash", str(probe)], row, ENV, 60))
+    out, err, failed, verdict = asyncio.run(programs.run_process(["bash", str(probe)], row, ENV, 60))
     assert (failed, verdict) == (None, 0.5), err.tail
     import main
     with pytest.raises(ValueError, match="holds Harbor tasks: they run with --agent_cmd, in the program sandbox"):
@@ -106,7 +107,7 @@ def test_mini_swe_agent_solves_a_task_through_the_server(server, loop, tiny_toke
     rec = fake(tok, [call.format("echo Hello, world! > hello.txt"), call.format("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")])
     cmd = f"{sys.executable} {ROOT / 'examples' / 'programs' / 'mini_swe_agent.py'}"
     segs = loop.run_until_complete(agents.run_chat_agent(
-        agents.program(cmd, 120, env=["MINI_STEPS"])(), row_of("hello-file"), rec, tok, server,
+        programs.program(cmd, 120, env=["MINI_STEPS"])(), row_of("hello-file"), rec, tok, server,
         sampling={"temperature": 1.0, "max_tokens": 64}, max_len=4096))
     assert len(rec.calls) == 2 and segs[0].reward == 1.0
     check_token_exact(segs, rec.calls)
