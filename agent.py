@@ -151,8 +151,7 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
         traj.info["episode_tokens"] = traj.info.get("episode_tokens", len(prompt)) + len(out["token_ids"])
         return out
 
-    async def summarize(traj: Trajectory, messages: list, out: dict, params: dict) -> list | None:
-        request = delta_ids(tokenizer, messages, out["token_ids"], [{"role": "user", "content": SUMMARY_REQUEST}])
+    async def summarize(traj: Trajectory, messages: list, request: list, params: dict) -> list | None:
         if len(traj.tokens) + len(request) >= max_len:
             return None
         traj.add(request, False)
@@ -192,10 +191,12 @@ async def run_env(env: Env, row: dict, generate: Generate, tokenizer, *,
             obs_ids = delta_ids(tokenizer, messages, out["token_ids"], [{"role": "user", "content": content}])
             obs_ids = image_tokens.expand(obs_ids, new_images) if new_images else obs_ids
             traj.info["episode_tokens"] += len(obs_ids)
-            rewritten = result.context   # a policy's rewrite: before the next turn would overflow (summarize: its own too)
-            if rewritten is None and context != "none" and (
-                    len(traj.tokens) + len(obs_ids) + params["max_tokens"] * (1 + (context == "summarize")) > max_len):
-                rewritten = (await summarize(traj, messages, out, params) if context == "summarize"
+            rewritten = result.context   # a policy's rewrite: before the next turn would overflow
+            request = delta_ids(tokenizer, messages, out["token_ids"], [{"role": "user", "content": SUMMARY_REQUEST}]) \
+                if context == "summarize" else []   # summarize keeps room after that turn for it and a full summary
+            if rewritten is None and context != "none" and len(traj.tokens) + len(obs_ids) + params["max_tokens"] * (
+                    1 + bool(request)) + len(request) > max_len:
+                rewritten = (await summarize(traj, messages, request, params) if request
                              else rewrite_context(context, context_turns, messages, first_messages))
             if rewritten is not None:   # the next turn starts a segment from the rewritten messages
                 if branches > 1 or traj.images or new_images:

@@ -353,7 +353,7 @@ def test_a_context_policy_goes_on_in_new_segments_token_exact(tiny_tokenizer, po
 def test_summarize_samples_and_trains_the_summary_turn(tiny_tokenizer, monkeypatch):
     tok = tiny_tokenizer
     monkeypatch.setattr(agents, "SUMMARY_REQUEST", "=")   # one character: the tiny tokenizer spells words out
-    engine, segs = run_facts(tok, ["0", "1", "2", "9", "3", "4", "8", "5"], context="summarize")
+    engine, segs = run_facts(tok, ["0", "1", "2", "9", "3", "4", "8", "5"], context="summarize", max_len=28)
     assert [tok.decode(p[-4:]) for p in engine.prompts].count("<|user|>=<|end|><|assistant|>") == 2 == len(segs) - 1
     # each summary is its segment's last turn, sampled and trained, reward 0 (plus the later segments' rewards)
     assert [s.turn_rewards for s in segs] == [[1.0, 1.0, 1.0, 3.0], [1.0, 1.0, 1.0], [1.0]]
@@ -364,6 +364,16 @@ def test_summarize_samples_and_trains_the_summary_turn(tiny_tokenizer, monkeypat
         text = tok.apply_chat_template([{"role": "user", "content": "0"}, {"role": "assistant", "content": summary},
                                         {"role": "user", "content": obs}], tokenize=False, add_generation_prompt=True)
         assert seg.tokens[:seg.mask.index(1)] == tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_summarize_keeps_room_for_its_request_and_the_summary(tiny_tokenizer, monkeypatch):
+    """A summary request longer than an observation and a reply: the policy asks for the summary while the request
+    and a full summary still fit (here after every turn), rather than finding no room and ending truncated."""
+    monkeypatch.setattr(agents, "SUMMARY_REQUEST", "=" * 12)   # 15 tokens with its turn markers
+    engine, segs = run_facts(tiny_tokenizer, ["0", "9", "1", "9", "2", "9", "3", "9", "4", "9", "5"],
+                             context="summarize", max_len=30)
+    assert "truncated" not in segs[0].info and segs[0].info["turns"] == 11 and len(segs) == 6
+    assert [s.states[-1] for s in segs[:-1]] == ["summary"] * 5 and max(map(len, (s.tokens for s in segs))) <= 30
 
 
 def test_an_env_rewrites_its_own_context(tiny_tokenizer):
