@@ -355,5 +355,8 @@ def wait_gone(pid: int, seconds: float):
                 return
         except (FileNotFoundError, ProcessLookupError):
             return
-        assert time.monotonic() < deadline, f"process {pid} still runs"
+        if time.monotonic() > deadline:   # what it is and who holds it, for a failure that shows only in a suite
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            raise AssertionError(f"process {pid} still runs after {seconds}s: {stat[:200]!r}, "
+                                 f"cmdline {Path(f'/proc/{pid}/cmdline').read_bytes()[:200]!r}")
         time.sleep(0.05)

@@ -85,6 +85,8 @@ def test_a_sandboxed_program_cannot_escape_its_rollout(tmp_path, server, loop, t
     marker = f"molt-test-{secrets.token_hex(4)}"
     monkeypatch.setenv("MOLT_TEST_SECRET", "the driver's")
     monkeypatch.setenv("MOLT_TEST_PASSED", "yes")
+    (longer := tmp_path / ("t" * 64)).mkdir()   # the rollout's folder and its relay's socket in a long TMPDIR
+    monkeypatch.setattr(tempfile, "tempdir", str(longer))
     listener = socket.create_server(("127.0.0.1", 0))   # a service of the driver's (Ray's dashboard, say)
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
                               env={**os.environ, "OPENAI_API_KEY": "another-rollout-s-key"})

@@ -1,11 +1,10 @@
 """A reasoning-gym math task: single-turn arithmetic, graded by the dataset's own scorer.
 
-Prompts are generated offline by `reasoning_gym.create_dataset("basic_arithmetic")`
-(a fresh seed each epoch); the model must put its result in <answer>...</answer>
-(reasoning-gym's default system prompt asks for that) and the reward is the
-dataset's `score_answer` (1 for the exact answer, partial credit when the
-answer is inside a longer one). To train on another reasoning-gym task, change
-DATASET and CONFIG: the label is the whole dataset entry, so any task's scorer works.
+Prompts are generated offline by `reasoning_gym.create_dataset("basic_arithmetic")` (a fresh seed each epoch); the
+model must put its result in <answer>...</answer> (reasoning-gym's default system prompt asks for that) and the reward
+is the dataset's `score_answer` (1 for the exact answer, partial credit when the answer is inside a longer one). To
+train on another reasoning-gym task, change DATASET and CONFIG: the label is the whole dataset entry, so any task's
+scorer works.
 
 The tiny default model cannot read these prompts (its vocabulary is digits and
 a few symbols); use a real chat model, e.g. SmolLM2-135M-Instruct:

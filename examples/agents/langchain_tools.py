@@ -1,11 +1,9 @@
 """A ChatAgent on LangChain (`langchain-openai`): a streamed tool-calling loop with ChatOpenAI.
 
-`ChatOpenAI` is pointed at `ctx.base_url` (OpenAI chat completions) with one tool
-bound; each turn is streamed with `astream` and the chunks are summed into the
-reply, as LangChain agents do with streaming on. Tool calls are run and their
-results sent back as `ToolMessage`s; then the agent asks a follow-up question
-("?c=": the larger of the answer and c). The reward is 1 if the final reply is
-max(a, b, c). All requests of the rollout are one token-exact trace.
+`ChatOpenAI` is pointed at `ctx.base_url` (OpenAI chat completions) with one tool bound; each turn is streamed with
+`astream` and the chunks are summed into the reply, as LangChain agents do with streaming on. Tool calls are run and
+their results sent back as `ToolMessage`s; then the agent asks a follow-up question ("?c=": the larger of the answer
+and c). The reward is 1 if the final reply is max(a, b, c). All requests of the rollout are one token-exact trace.
 
     python main.py --agent examples/agents/langchain_tools.py --max_len 768
 """

@@ -2,17 +2,15 @@
 
 "What is 964 * 494?" A 135M model cannot multiply three-digit numbers in its head, so
 the task needs the tool and a second turn: the model writes a ```python block, the
-sandbox (examples/agents/python_tool.run_python) runs it, its output comes back as the
-next user turn ("Output:\n476216"), and the model answers. The answer is the number in
-<answer>...</answer>, or else the last number of the final turn (SmolLM2 rarely writes
-the tag); the final turn is the first one without code. Reward = 1 when that number is
-the product, else 0: the task's truth, no format shaping. As in a notebook, a snippet
-whose last line is a bare expression prints its value.
+sandbox (examples/agents/python_tool.run_python) runs it, its output comes back as the next user turn
+("Output:\n476216"), and the model answers. The answer is the number in <answer>...</answer>, or else the last number
+of the final turn (SmolLM2 rarely writes the tag); the final turn is the first one without code. Reward = 1 when that
+number is the product, else 0: the task's truth, no format shaping. As in a notebook, a snippet whose last line is a
+bare expression prints its value.
 
-Env form, not ChatAgent: the episode is a fixed loop (reply, run the code, show the
-output) that needs no agent framework, and run_env appends the observation's tokens to
-the trajectory directly instead of a round trip through the loopback HTTP server per
-turn (on a 2-core CPU every millisecond of agent overhead is one the engine does not get).
+Env form, not ChatAgent: the episode is a fixed loop (reply, run the code, show the output) that needs no agent
+framework, and run_env appends the observation's tokens to the trajectory directly instead of a round trip through the
+loopback HTTP server per turn (on a 2-core CPU every millisecond of agent overhead is one the engine does not get).
 
 Rows may carry "tool": false (the no-tool ablation): then the prompt asks for the number
 directly, the episode has one turn and code is not run. The held-out problems are fixed
