@@ -170,6 +170,7 @@ def test_a_local_cpu_clusters_workers_run_on_tcmalloc_and_the_driver_does_not(mo
     if not ctypes.util.find_library("tcmalloc_minimal"):
         pytest.skip("libtcmalloc_minimal is not installed (install.sh installs it with apt)")
     monkeypatch.setenv(faults.TAG, "tcmalloc-test")
+    monkeypatch.setattr(faults, "catch_stop_signals", lambda: None)   # outside guarded(): no one would restore them
     before = os.environ.get("LD_PRELOAD")
     launch.start_ray({"ray_address": None, "train_workers": 1, "num_engines": 1, "verbose": False})
     try:
