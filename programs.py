@@ -151,10 +151,15 @@ def check_sandbox():
                          f"{failed[1]}); --program_sandbox off runs programs unconfined")
 
 
+def _in_task(*args):   # ray.cancel raises KeyboardInterrupt through SIGINT's handler: none in a worker that
+    signal.signal(signal.SIGINT, signal.default_int_handler)   # inherited SIGINT ignored (`nohup ray start ... &`)
+    return asyncio.run(run_process(*args))
+
+
 @functools.cache
 def _process_task():   # one Ray function for the job, not one per rollout: each ray.remote exports one to the GCS
     import ray
-    return ray.remote(max_retries=0)(lambda *args: asyncio.run(run_process(*args)))
+    return ray.remote(max_retries=0)(_in_task)
 
 
 class Program(ChatAgent):

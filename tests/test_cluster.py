@@ -17,6 +17,7 @@ is refused without its key and ends with its rollout, and programs no node can p
 import asyncio
 import contextlib
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -39,7 +40,9 @@ def cluster():
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})   # the driver's node runs nothing
     c.add_node(num_cpus=3, resources={"trainer_node": 3}, node_ip_address=TRAINER_IP)   # room for a misplaced engine
     c.add_node(num_cpus=1, resources={"engine_node": 1}, node_ip_address=ENGINE_IP)
+    ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)   # as under `nohup ... &`: its workers inherit SIGINT ignored
     c.add_node(num_cpus=1, resources={"agent_node": 2}, node_ip_address=AGENT_IP)   # programs ask for no CPU
+    signal.signal(signal.SIGINT, ignored)
     yield c
     c.shutdown()
 

@@ -1,10 +1,9 @@
 """A ChatAgent on the stock Anthropic SDK, streamed: `client.messages.stream(...)`.
 
-The same task as chat_anthropic.py (answer "a?b=", then check the answer), with
-the SDK's stream helper: text arrives as deltas and `get_final_message()`
-assembles the reply. The stream is a rendering of the sampled token ids, so the
-trace is the same as unstreamed. A long `max_tokens` (which the SDK will not send
-without streaming) is fine: the server clamps it to the run's `--max_new_tokens`.
+The same task as chat_anthropic.py (answer "a?b=", then check the answer), with the SDK's stream helper: text arrives
+as deltas and `get_final_message()` assembles the reply. The stream is a rendering of the sampled token ids, so the
+trace is the same as unstreamed. A long `max_tokens` (which the SDK will not send without streaming) is fine: the
+server clamps it to the run's `--max_new_tokens`.
 
     python main.py --agent examples/agents/chat_anthropic_stream.py
 """

@@ -1,10 +1,9 @@
 """A multi-turn tool task: the model runs Python in a sandbox to answer a question.
 
 Each turn the model either writes a snippet (a ```python fenced block, or
-<tool_call>{"name": "python", "arguments": {"code": "..."}}</tool_call>) or gives
-its final answer as <answer>N</answer>. A snippet runs in a fresh subprocess
-(`run_python`) and its output comes back as the next observation; the reward is
-1 for the right final answer within `max_turns`, else 0.
+<tool_call>{"name": "python", "arguments": {"code": "..."}}</tool_call>) or gives its final answer as
+<answer>N</answer>. A snippet runs in a fresh subprocess (`run_python`) and its output comes back as the next
+observation; the reward is 1 for the right final answer within `max_turns`, else 0.
 
 The sandbox, per snippet (`run_python`; it raises SandboxError naming the cause, and never runs a snippet unconfined):
 the program sandbox's (sandbox.py, bubblewrap) on a minimal root: the system's programs and libraries and the Python

@@ -6,11 +6,10 @@ tokens on the tiny Qwen2.5-VL) and asks for its colour; every colour word is one
 0.1 when it starts with another colour word (the format is learned first: a random policy
 over ~450 tokens names some colour ~1% of the time, the right one ~0.2%), else 0.
 
-Measured with a plain-PyTorch prototype of the same set-up (32 prompts x 16 samples, one
-generated token, group-normalised advantages, AdamW lr 1e-3, clip 1.0): the 10-step mean
-reached 0.8 accuracy in 62-124 steps over 4 seeds. Without the 0.1 partial credit one of two
-seeds stalled at ~0.7 with one colour never named; a square on a white background (instead
-of a filled picture) stalled at ~0.5 for one of two seeds.
+Measured with a plain-PyTorch prototype of the same set-up (32 prompts x 16 samples, one generated token,
+group-normalised advantages, AdamW lr 1e-3, clip 1.0): the 10-step mean reached 0.8 accuracy in 62-124 steps over 4
+seeds. Without the 0.1 partial credit one of two seeds stalled at ~0.7 with one colour never named; a square on a
+white background (instead of a filled picture) stalled at ~0.5 for one of two seeds.
 
     PYTHONPATH=examples/vlm_shims python main.py --agent examples/agents/vision_colour.py --model tiny-vlm --max_new_tokens 1
     bash examples/recipes/tiny_vlm_colour.sh        # the same, 60 steps
