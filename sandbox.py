@@ -157,9 +157,11 @@ async def confine(argv: list[str], env: dict, folder: str, timeout: float, work:
     os.chmod(relayed, 0o755)
     shutil.copy(__file__, os.path.join(relayed, "sandbox.py"))
     fd = os.open(relayed, os.O_PATH)   # bound through it: a long TMPDIR would pass a socket path's 107 bytes
-    relay = url.port and await asyncio.start_unix_server(
-        _joined(lambda: asyncio.open_connection(url.hostname, url.port)), f"/proc/self/fd/{fd}/server.sock")
-    os.close(fd)
+    try:
+        relay = url.port and await asyncio.start_unix_server(
+            _joined(lambda: asyncio.open_connection(url.hostname, url.port)), f"/proc/self/fd/{fd}/server.sock")
+    finally:
+        os.close(fd)
     if relay:
         os.chmod(os.path.join(relayed, "server.sock"), 0o777)
     home, root = os.path.expanduser("~"), os.geteuid() == 0

@@ -41,8 +41,10 @@ def cluster():
     c.add_node(num_cpus=3, resources={"trainer_node": 3}, node_ip_address=TRAINER_IP)   # room for a misplaced engine
     c.add_node(num_cpus=1, resources={"engine_node": 1}, node_ip_address=ENGINE_IP)
     ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)   # as under `nohup ... &`: its workers inherit SIGINT ignored
-    c.add_node(num_cpus=1, resources={"agent_node": 2}, node_ip_address=AGENT_IP)   # programs ask for no CPU
-    signal.signal(signal.SIGINT, ignored)
+    try:
+        c.add_node(num_cpus=1, resources={"agent_node": 2}, node_ip_address=AGENT_IP)   # programs ask for no CPU
+    finally:
+        signal.signal(signal.SIGINT, ignored)
     yield c
     c.shutdown()
 

@@ -351,12 +351,10 @@ def wait_gone(pid: int, seconds: float):
     deadline = time.monotonic() + seconds
     while True:
         try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                return
+            stat, cmdline = Path(f"/proc/{pid}/stat").read_text(), Path(f"/proc/{pid}/cmdline").read_bytes()
         except (FileNotFoundError, ProcessLookupError):
             return
-        if time.monotonic() > deadline:   # what it is and who holds it, for a failure that shows only in a suite
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            raise AssertionError(f"process {pid} still runs after {seconds}s: {stat[:200]!r}, "
-                                 f"cmdline {Path(f'/proc/{pid}/cmdline').read_bytes()[:200]!r}")
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":
+            return
+        assert time.monotonic() < deadline, f"process {pid} still runs after {seconds}s: {stat[:200]!r}, {cmdline!r}"
         time.sleep(0.05)
